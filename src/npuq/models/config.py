@@ -1,0 +1,203 @@
+"""ModelConfig: the architecture facts the static decoder needs, mapped from a Hugging Face config.
+
+One frozen dataclass covers every supported family; the differences between families are
+flags and numbers (REFERENCE.md §2), not subclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from npuq.errors import UnsupportedArchitecture
+
+# model_type of the Hugging Face config → our family name.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "smollm3": "smollm3",
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one layer type. ``kind`` is "default" or "llama3" (Llama 3.x scaling)."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("default", "llama3"):
+            raise UnsupportedArchitecture(
+                f"RoPE type {self.kind!r} is not supported; supported: default, llama3"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # one of SUPPORTED_MODEL_TYPES' values
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 (and attention_bias=True elsewhere)
+    o_bias: bool = False  # attention_bias=True outside Qwen2
+    qk_norm: bool = False  # Qwen3, Gemma3: RMSNorm over head_dim on q and k before RoPE
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh" (Gemma)
+    # Gemma3
+    norm_weight_offset: float = 0.0  # Gemma stores RMSNorm weights minus one
+    embed_scale: float = 1.0  # Gemma scales embeddings by sqrt(hidden)
+    sandwich_norms: bool = False  # extra post-attention / pre- and post-FFN norms
+    query_scale: float | None = None  # attention scale; None = head_dim ** -0.5
+    sliding_window: int | None = None
+    local_rope: RopeConfig | None = None  # RoPE of the sliding-window layers
+    # Per layer: "full" or "sliding" attention, and whether RoPE is applied (SmolLM3 NoPE).
+    layer_types: tuple[str, ...] = ()
+    use_rope: tuple[bool, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_MODEL_TYPES.values():
+            raise UnsupportedArchitecture(
+                f"architecture {self.arch!r} is not supported; supported: "
+                + ", ".join(sorted(SUPPORTED_MODEL_TYPES.values()))
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedArchitecture(
+                f"{self.num_heads} attention heads are not a multiple of {self.num_kv_heads} KV heads"
+            )
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise UnsupportedArchitecture(f"activation {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
+        if not self.use_rope:
+            object.__setattr__(self, "use_rope", (True,) * self.num_layers)
+        for name in ("layer_types", "use_rope"):
+            if len(getattr(self, name)) != self.num_layers:
+                raise UnsupportedArchitecture(
+                    f"config {name} has {len(getattr(self, name))} entries for {self.num_layers} layers"
+                )
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise UnsupportedArchitecture("sliding-window layers without a sliding_window size")
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "sliding" in self.layer_types
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        data = dict(data)
+        data["rope"] = RopeConfig(**data["rope"])
+        if data.get("local_rope"):
+            data["local_rope"] = RopeConfig(**data["local_rope"])
+        data["layer_types"] = tuple(data.get("layer_types", ()))
+        data["use_rope"] = tuple(data.get("use_rope", ()))
+        return cls(**data)
+
+
+def _rope_from_params(params: dict[str, Any] | None, default_theta: float = 10000.0) -> RopeConfig:
+    params = dict(params or {})
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    theta = float(params.get("rope_theta", default_theta))
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind == "llama3":
+        return RopeConfig(
+            theta=theta,
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        )
+    return RopeConfig(kind=kind)  # raises UnsupportedArchitecture naming the type
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def config_from_hf(hf: Any) -> ModelConfig:
+    """Map a transformers ``PretrainedConfig`` (v5 layout, ``rope_parameters``) to ModelConfig."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type == "gemma3":  # a multimodal Gemma 3 checkpoint: use its text tower's config
+        hf = hf.text_config
+        model_type = hf.model_type
+    arch = SUPPORTED_MODEL_TYPES.get(model_type)
+    if arch is None:
+        raise UnsupportedArchitecture(
+            f"model type {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    n_layers = int(hf.num_hidden_layers)
+    n_heads = int(hf.num_attention_heads)
+    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // n_heads)
+    rope_params = getattr(hf, "rope_parameters", None) or {}
+    common = dict(
+        arch=arch,
+        vocab_size=int(hf.vocab_size),
+        hidden_size=int(hf.hidden_size),
+        intermediate_size=int(hf.intermediate_size),
+        num_layers=n_layers,
+        num_heads=n_heads,
+        num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or n_heads),
+        head_dim=head_dim,
+        max_position_embeddings=int(hf.max_position_embeddings),
+        rms_norm_eps=float(hf.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        bos_token_id=_first_id(getattr(hf, "bos_token_id", None)),
+        eos_token_id=_first_id(getattr(hf, "eos_token_id", None)),
+    )
+    if getattr(hf, "mlp_bias", False):
+        raise UnsupportedArchitecture(f"{model_type} with mlp_bias=True is not supported")
+    if arch == "gemma3":
+        layer_types = tuple("sliding" if t == "sliding_attention" else "full" for t in hf.layer_types)
+        return ModelConfig(
+            **common,
+            rope=_rope_from_params(rope_params.get("full_attention")),
+            local_rope=_rope_from_params(rope_params.get("sliding_attention")),
+            qk_norm=True,
+            hidden_act="gelu_tanh",
+            norm_weight_offset=1.0,
+            embed_scale=math.sqrt(hf.hidden_size),
+            sandwich_norms=True,
+            query_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+            sliding_window=int(hf.sliding_window),
+            layer_types=layer_types,
+        )
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise UnsupportedArchitecture(f"{model_type} with activation {hf.hidden_act!r} is not supported")
+    use_rope: tuple[bool, ...] = ()
+    if arch == "smollm3":
+        use_rope = tuple(bool(x) for x in hf.no_rope_layers)
+    sliding = getattr(hf, "use_sliding_window", False) and getattr(hf, "sliding_window", None)
+    if sliding:
+        raise UnsupportedArchitecture(f"{model_type} with use_sliding_window=True is not supported")
+    return ModelConfig(
+        **common,
+        rope=_rope_from_params(rope_params),
+        qkv_bias=arch == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        o_bias=arch != "qwen2" and bool(getattr(hf, "attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        use_rope=use_rope,
+    )

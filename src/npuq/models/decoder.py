@@ -1,0 +1,243 @@
+"""The static-shape decoder: one readable module for every supported family.
+
+The graph an NPU runs has fixed shapes and explicit KV-cache I/O (REFERENCE.md §2):
+
+    inputs   tokens     (B, T)            int64, T = ar_len
+             mask       (B, M, T, S)      float additive mask, 0 attend / MASK_VALUE masked;
+                                          S = C + T, C = cache length = ctx - T;
+                                          M = 1, or 2 for models with sliding-window layers
+                                          (channel 0 full attention, channel 1 sliding window)
+             positions  (B, T)            int32, index the precomputed RoPE tables
+             k_cache_i  (B, KV, D, C)     one per layer, stored transposed
+             v_cache_i  (B, KV, C, D)     one per layer
+    outputs  logits     (B, T, V)
+             k_new_i    (B, KV, D, T)     only the new entries; the runner writes them
+             v_new_i    (B, KV, T, D)
+
+In "calibrate" mode (T = ctx) the cache is empty and the cache inputs are omitted. Module and
+parameter names mirror Hugging Face checkpoints (minus the ``model.`` prefix), so a
+safetensors file loads by name; the lm head is always its own parameter (a copy for tied
+embeddings) so the quantizer can give it a weight encoding separate from the embedding table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from npuq.models.config import ModelConfig, RopeConfig
+
+# Additive mask value. Large enough that exp(score + MASK_VALUE) vanishes for any realistic
+# attention score; small enough that a 16-bit encoding of "scores + mask" keeps a fine step
+# (REFERENCE.md §9: -1e4 forces a coarse u16 step on the Add output).
+MASK_VALUE = -255.0
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,), float32, as Hugging Face computes them."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponent)
+    if rope.kind == "llama3":
+        # Llama 3.x: long wavelengths divided by `factor`, short ones kept, smooth in between.
+        old_ctx = rope.original_max_position_embeddings
+        low_wavelen = old_ctx / rope.low_freq_factor
+        high_wavelen = old_ctx / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(rope: RopeConfig, head_dim: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (length, head_dim) in the half-split (rotate-half) layout."""
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), rope_inv_freq(rope, head_dim))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight. Gemma's stored "weight - 1" is undone by the loader, not here."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.query_scale if cfg.query_scale is not None else cfg.head_dim**-0.5
+        self.use_rope = cfg.use_rope[layer]
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, k_cache=None, v_cache=None):
+        B, T, _ = x.shape
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        G = H // KV  # query heads per KV head
+        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, KV, D).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(x).view(B, T, KV, D).transpose(1, 2)  # (B, KV, T, D)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        k_new = k.transpose(2, 3)  # (B, KV, D, T)
+        keys = k_new if k_cache is None else torch.cat([k_cache, k_new], dim=-1)  # (B, KV, D, S)
+        values = v if v_cache is None else torch.cat([v_cache, v], dim=2)  # (B, KV, S, D)
+        # Grouped-query attention without copying K/V: query heads h = kv·G + g share KV head kv.
+        q = q.reshape(B, KV, G * T, D)
+        scores = torch.matmul(q, keys) * self.scale  # (B, KV, G·T, S)
+        scores = scores.view(B, KV, G, T, -1) + mask.unsqueeze(1)  # mask (B, 1, 1, T, S)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, KV, G * T, -1)
+        out = torch.matmul(probs, values)  # (B, KV, G·T, D)
+        out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+        return self.o_proj(out), k_new, v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
+
+    def forward(self, x):
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. Names follow Hugging Face: in Llama-style blocks ``post_attention_layernorm``
+    is the norm *before* the MLP; Gemma 3 ("sandwich") normalises attention and MLP outputs too."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.sliding = cfg.layer_types[layer] == "sliding"
+        self.sandwich = cfg.sandwich_norms
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, mask, k_cache=None, v_cache=None):
+        attn, k_new, v_new = self.self_attn(self.input_layernorm(h), cos, sin, mask, k_cache, v_cache)
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(attn)
+            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        else:
+            h = h + attn
+            h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, k_new, v_new
+
+
+class StaticDecoder(nn.Module):
+    """Decoder LLM with static shapes and explicit KV-cache I/O (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, max_context: int):
+        super().__init__()
+        self.config = cfg
+        self.max_context = max_context
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.rope, cfg.head_dim, max_context)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_context, D)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.local_rope is not None:
+            cos, sin = rope_tables(cfg.local_rope, cfg.head_dim, max_context)
+            self.register_buffer("local_rope_cos", cos, persistent=False)
+            self.register_buffer("local_rope_sin", sin, persistent=False)
+
+    @property
+    def mask_channels(self) -> int:
+        return 2 if self.config.has_sliding_layers else 1
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *caches: torch.Tensor):
+        n = self.config.num_layers
+        if caches and len(caches) != 2 * n:
+            raise ValueError(f"expected {2 * n} cache tensors (K then V per layer), got {len(caches)}")
+        k_caches, v_caches = (caches[:n], caches[n:]) if caches else ((None,) * n, (None,) * n)
+        h = self.embed_tokens(tokens)  # (B, T, hidden)
+        if self.config.embed_scale != 1.0:
+            h = h * self.config.embed_scale
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, D)
+        if self.config.local_rope is not None:
+            local_cos, local_sin = self.local_rope_cos[positions], self.local_rope_sin[positions]
+        full_mask = mask[:, 0:1]  # (B, 1, T, S)
+        sliding_mask = mask[:, 1:2] if self.mask_channels == 2 else full_mask
+        k_out, v_out = [], []
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            if layer.sliding:
+                lc, ls = (local_cos, local_sin) if self.config.local_rope is not None else (cos, sin)
+                h, k_new, v_new = layer(h, lc, ls, sliding_mask, k_cache, v_cache)
+            else:
+                h, k_new, v_new = layer(h, cos, sin, full_mask, k_cache, v_cache)
+            k_out.append(k_new)
+            v_out.append(v_new)
+        logits = self.lm_head(self.norm(h))  # (B, T, V)
+        return (logits, *k_out, *v_out)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """Copy checkpoint tensors (our names) into the module after checking every name and shape.
+
+        A tied model's missing ``lm_head.weight`` is copied from the embedding table.
+        """
+        from npuq.errors import ModelLoadError
+
+        tensors = dict(tensors)
+        if "lm_head.weight" not in tensors and self.config.tie_word_embeddings and "embed_tokens.weight" in tensors:
+            tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+        expected = self.state_dict()
+        missing = [k for k in expected if k not in tensors]
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise ModelLoadError(f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}")
+        unexpected = [k for k in tensors if k not in expected]
+        if unexpected:
+            raise ModelLoadError(
+                f"{source}: unexpected tensor {unexpected[0]!r} for a {self.config.arch} model "
+                f"({len(unexpected)} unexpected in all); is the config from the same checkpoint?"
+            )
+        for name, ref in expected.items():
+            t = tensors[name]
+            if tuple(t.shape) != tuple(ref.shape):
+                raise ModelLoadError(
+                    f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} from the config"
+                )
+            if not torch.isfinite(t).all():
+                raise ModelLoadError(f"{source}: tensor {name} contains NaN or Inf values")
+        with torch.no_grad():
+            for name, ref in expected.items():
+                ref.copy_(tensors[name].to(ref.dtype))

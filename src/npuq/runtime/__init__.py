@@ -1,0 +1,1 @@
+"""Running the static graphs: the KV-cache runner and text generation."""

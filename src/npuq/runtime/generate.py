@@ -1,0 +1,64 @@
+"""Greedy generation through the static prefill (AR-N) and decode (AR-1) graphs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from npuq.errors import NpuqError
+from npuq.runtime.runner import StaticRunner
+
+
+def generate(
+    loaded: Any,
+    prompt: str,
+    max_new_tokens: int = 32,
+    context: int = 512,
+    prefill_len: int = 32,
+    num_threads: int = 0,
+) -> dict[str, Any]:
+    """Greedy continuation of ``prompt``; stops at EOS or after ``max_new_tokens``.
+
+    Result: text, token_ids (generated only), prefill_seconds, decode_seconds,
+    tokens_per_second (decode steps per second), threads.
+    """
+    cfg, model = loaded.config, loaded.model
+    if context > model.max_context:
+        raise NpuqError(f"--context {context} exceeds what the model was prepared for ({model.max_context})")
+    if prefill_len > context:
+        raise NpuqError(f"--prefill-len {prefill_len} exceeds --context {context}")
+    tokenizer = loaded.tokenizer
+    prompt_ids = list(tokenizer(prompt)["input_ids"])
+    if not prompt_ids:
+        raise NpuqError("the prompt is empty after tokenization: give some text with --prompt")
+    if len(prompt_ids) + max_new_tokens > context:
+        raise NpuqError(
+            f"the prompt has {len(prompt_ids)} tokens; with {max_new_tokens} new tokens that exceeds the "
+            f"context of {context}: raise --context or shorten the prompt / --max-new-tokens"
+        )
+    graphs = {1: model, prefill_len: model}
+    runner = StaticRunner(cfg, graphs, context)
+    eos = cfg.eos_token_id
+    threads = torch.get_num_threads()
+
+    start = time.perf_counter()
+    logits = runner.feed(prompt_ids)
+    prefill_seconds = time.perf_counter() - start
+    generated = [int(logits[0, -1].argmax())]
+    start = time.perf_counter()
+    while len(generated) < max_new_tokens and generated[-1] != eos:
+        logits = runner.feed([generated[-1]])
+        generated.append(int(logits[0, -1].argmax()))
+    decode_seconds = time.perf_counter() - start
+    steps = len(generated) - 1
+    return {
+        "text": tokenizer.decode(generated, skip_special_tokens=True),
+        "token_ids": generated,
+        "prompt_tokens": len(prompt_ids),
+        "prefill_seconds": prefill_seconds,
+        "decode_seconds": decode_seconds,
+        "tokens_per_second": steps / decode_seconds if steps and decode_seconds > 0 else 0.0,
+        "threads": threads,
+    }

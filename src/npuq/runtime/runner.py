@@ -1,0 +1,156 @@
+"""Drive the static graphs the way a device runner does.
+
+The runner owns the KV cache: one K store (B, KV, D, ctx) and one V store (B, KV, ctx, D) per
+layer, filled left to right (slot j holds position j). A graph of ar_len T sees the first
+C = ctx - T slots; after each call the runner copies the graph's new K/V entries into the
+slots of the real (not padded) tokens. Graphs are plain callables taking and returning torch
+tensors, so the same runner drives the eager module, an exported program or an ONNX session.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from npuq.errors import NpuqError
+from npuq.models.config import ModelConfig
+from npuq.models.decoder import MASK_VALUE
+
+Graph = Callable[..., Sequence[torch.Tensor]]
+
+MODES = ("calibrate", "prefill", "decode")
+
+
+def build_mask(
+    key_positions: torch.Tensor, key_valid: torch.Tensor, query_positions: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
+    """Additive mask (T, S): 0 where query t may attend key s, MASK_VALUE elsewhere.
+
+    A key is visible when it holds a real token, is not in the future and, for sliding-window
+    layers, lies less than ``window`` positions back (the query itself included).
+    """
+    q = query_positions[:, None]  # (T, 1)
+    k = key_positions[None, :]  # (1, S)
+    allowed = key_valid[None, :] & (k <= q)
+    if window is not None:
+        allowed &= (q - k) < window
+    return torch.where(allowed, 0.0, MASK_VALUE).to(torch.float32)
+
+
+def graph_mask(cfg: ModelConfig, key_positions, key_valid, query_positions, batch: int) -> torch.Tensor:
+    """Mask input (B, M, T, S): channel 0 full attention, channel 1 (if any) the sliding window."""
+    masks = [build_mask(key_positions, key_valid, query_positions)]
+    if cfg.has_sliding_layers:
+        masks.append(build_mask(key_positions, key_valid, query_positions, cfg.sliding_window))
+    return torch.stack(masks).unsqueeze(0).expand(batch, -1, -1, -1).contiguous()
+
+
+def step_inputs(
+    cfg: ModelConfig, tokens: torch.Tensor, n_past: int, context: int, n_real: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, mask and positions for one call of a graph with ar_len T = tokens.shape[1].
+
+    The cache holds ``n_past`` real entries in its first slots; the call's tokens take positions
+    n_past .. n_past + T - 1 of which the first ``n_real`` are real (the rest padding).
+    """
+    batch, T = tokens.shape
+    C = context - T
+    if n_past > C:
+        raise ValueError(f"{n_past} cached tokens do not fit a cache of {C} slots")
+    n_real = T if n_real is None else n_real
+    query_pos = torch.arange(n_past, n_past + T)
+    key_pos = torch.cat([torch.arange(C), query_pos])
+    key_valid = torch.cat([torch.arange(C) < n_past, torch.arange(T) < n_real])
+    mask = graph_mask(cfg, key_pos, key_valid, query_pos, batch)
+    positions = query_pos.to(torch.int32).unsqueeze(0).expand(batch, -1).contiguous()
+    return tokens, mask, positions
+
+
+def example_inputs(
+    cfg: ModelConfig, mode: str, context: int, ar_len: int | None = None, batch: int = 1
+) -> tuple[torch.Tensor, ...]:
+    """Example inputs of a graph (for torch.export and benchmarks), empty cache.
+
+    calibrate: T = context, no cache inputs; prefill: T = ar_len (default 32); decode: T = 1.
+    """
+    if mode not in MODES:
+        raise NpuqError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    T = {"calibrate": context, "prefill": ar_len or 32, "decode": 1}[mode]
+    if T > context:
+        raise NpuqError(f"ar_len {T} exceeds the context {context}")
+    tokens = torch.zeros(batch, T, dtype=torch.long)
+    inputs = step_inputs(cfg, tokens, 0, context)
+    C = context - T
+    if mode == "calibrate":
+        return inputs
+    KV, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    k_caches = tuple(torch.zeros(batch, KV, D, C) for _ in range(L))
+    v_caches = tuple(torch.zeros(batch, KV, C, D) for _ in range(L))
+    return (*inputs, *k_caches, *v_caches)
+
+
+def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, V) of a full causal forward with an empty cache (the calibrate graph)."""
+    batch, T = tokens.shape
+    if T > model.max_context:
+        raise NpuqError(f"{T} tokens exceed the model's prepared context of {model.max_context}")
+    with torch.no_grad():
+        inputs = step_inputs(model.config, tokens, 0, T)
+        return model(*inputs)[0]
+
+
+class StaticRunner:
+    """Runs a prompt through prefill (AR-N) chunks and then AR-1 decode steps.
+
+    ``graphs`` maps ar_len → callable; it must contain ar_len 1 (decode) and may contain one
+    prefill length N. Tokens that do not fill a whole prefill chunk near the end of the
+    context go through decode steps instead.
+    """
+
+    def __init__(self, cfg: ModelConfig, graphs: dict[int, Graph], context: int, batch: int = 1):
+        if 1 not in graphs:
+            raise ValueError("the runner needs a decode graph (ar_len 1)")
+        self.cfg, self.graphs, self.context, self.batch = cfg, graphs, context, batch
+        self.prefill_len = max(graphs)
+        KV, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+        self.k = [torch.zeros(batch, KV, D, context) for _ in range(L)]  # (B, KV, D, ctx)
+        self.v = [torch.zeros(batch, KV, context, D) for _ in range(L)]  # (B, KV, ctx, D)
+        self.n_past = 0
+
+    def _call(self, tokens: torch.Tensor, n_real: int) -> torch.Tensor:
+        T = tokens.shape[1]
+        C = self.context - T
+        inputs = step_inputs(self.cfg, tokens, self.n_past, self.context, n_real)
+        caches = [k[..., :C] for k in self.k] + [v[:, :, :C] for v in self.v]
+        with torch.no_grad():
+            out = self.graphs[T](*inputs, *caches)
+        L = self.cfg.num_layers
+        start, end = self.n_past, self.n_past + n_real
+        for i in range(L):
+            self.k[i][..., start:end] = out[1 + i][..., :n_real]
+            self.v[i][:, :, start:end] = out[1 + L + i][:, :, :n_real]
+        self.n_past = end
+        return out[0][:, :n_real]  # (B, n_real, V)
+
+    def feed(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Append tokens to the cache; returns the logits (B, len, V) of those tokens."""
+        if self.n_past + len(token_ids) > self.context:
+            raise NpuqError(
+                f"{self.n_past + len(token_ids)} tokens do not fit the context of {self.context}: "
+                "raise --context or shorten the input"
+            )
+        ids = torch.tensor(token_ids, dtype=torch.long).unsqueeze(0).expand(self.batch, -1)
+        logits, i, N = [], 0, self.prefill_len
+        while i < len(token_ids):
+            chunk = ids[:, i : i + N]
+            if N > 1 and self.n_past + N <= self.context:
+                n_real = chunk.shape[1]
+                if n_real < N:  # pad the last chunk; padded entries never reach the cache
+                    chunk = torch.cat([chunk, chunk.new_zeros(self.batch, N - n_real)], dim=1)
+                logits.append(self._call(chunk, n_real))
+                i += n_real
+            else:
+                logits.append(self._call(ids[:, i : i + 1], 1))
+                i += 1
+        return torch.cat(logits, dim=1)
