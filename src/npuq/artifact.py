@@ -42,3 +42,31 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         print(text, end="")
     else:
         write_text(path, text)
+
+
+def user_cache_dir() -> Path:
+    """npuq's cache folder: $NPUQ_CACHE_DIR, else $XDG_CACHE_HOME/npuq, else ~/.cache/npuq."""
+    explicit = os.environ.get("NPUQ_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "npuq"
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary folder next to ``path``; rename it onto ``path`` if the block succeeds.
+
+    ``path`` must not exist (callers decide whether to remove an old one first).
+    """
+    import shutil
+
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

