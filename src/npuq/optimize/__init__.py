@@ -1,0 +1,1 @@
+"""Accuracy recovery: pure searches (SeqMSE scales, GPTQ rounding) over one layer at a time."""
