@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from npuq.errors import UnsupportedArchitecture
+from npuq.errors import ModelLoadError, UnsupportedArchitecture
 
 # model_type of the Hugging Face config → our family name.
 SUPPORTED_MODEL_TYPES = {
@@ -73,6 +73,13 @@ class ModelConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelLoadError(f"config {name} must be a positive whole number, got {value!r}")
+        if not (isinstance(self.rms_norm_eps, float) and 0 < self.rms_norm_eps < 1):
+            raise ModelLoadError(f"config rms_norm_eps must be a small positive number, got {self.rms_norm_eps!r}")
         if self.arch not in SUPPORTED_MODEL_TYPES.values():
             raise UnsupportedArchitecture(
                 f"architecture {self.arch!r} is not supported; supported: "
@@ -140,6 +147,13 @@ def _first_id(value: Any) -> int | None:
 
 def config_from_hf(hf: Any) -> ModelConfig:
     """Map a transformers ``PretrainedConfig`` (v5 layout, ``rope_parameters``) to ModelConfig."""
+    try:
+        return _config_from_hf(hf)
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+        raise ModelLoadError(f"the model config has a missing or malformed field ({type(exc).__name__}: {exc})") from None
+
+
+def _config_from_hf(hf: Any) -> ModelConfig:
     model_type = getattr(hf, "model_type", None)
     if model_type == "gemma3":  # a multimodal Gemma 3 checkpoint: use its text tower's config
         hf = hf.text_config

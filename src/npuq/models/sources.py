@@ -111,7 +111,10 @@ def read_hf_folder(folder: Path) -> tuple[Any, dict[str, torch.Tensor], Callable
         )
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # transformers validates fields with several exception types
+        raise ModelLoadError(f"{config_file}: invalid config ({type(exc).__name__}: {exc})") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickled = [p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
@@ -193,7 +196,7 @@ def read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], An
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on bad bytes
         raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {exc}") from None
-    hf_config, tokenizer = _gguf_config_and_tokenizer(path)
+    hf_config, tokenizer = _gguf_config_and_tokenizer(path, _metadata_digest(path, reader.data_offset))
     model_type = getattr(hf_config, "model_type", None)
     arch = SUPPORTED_MODEL_TYPES.get(model_type)
     if arch is None:
@@ -218,34 +221,55 @@ def read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], An
     return hf_config, tensors, tokenizer
 
 
-def _gguf_config_and_tokenizer(path: Path) -> tuple[Any, Callable[[], Any]]:
-    """transformers' config and tokenizer for a GGUF file, cached as a plain HF folder.
-
-    Converting the GGUF metadata takes ~10 s per load; the cache entry is keyed by the file's
-    path, size and modification time and written atomically.
-    """
+def _metadata_digest(path: Path, data_offset: int) -> str:
+    """sha256 of everything before the tensor data: the header and all metadata (config, tokenizer)."""
     import hashlib
 
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        remaining = data_offset
+        while remaining > 0:
+            block = f.read(min(remaining, 1 << 20))
+            if not block:
+                break
+            digest.update(block)
+            remaining -= len(block)
+    return digest.hexdigest()[:24]
+
+
+def _gguf_config_and_tokenizer(path: Path, digest: str) -> tuple[Any, Callable[[], Any]]:
+    """transformers' config and tokenizer for a GGUF file, cached as a plain HF folder.
+
+    Converting the GGUF metadata takes ~10 s per load; the cache entry is keyed by the digest of
+    the metadata bytes (so an edited file never hits a stale entry) and written atomically.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     from npuq.artifact import atomic_dir, user_cache_dir
 
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:20]
-    cached = user_cache_dir() / "gguf" / key
+    cached = user_cache_dir() / "gguf" / digest
     if (cached / "config.json").is_file():
         try:
             hf_config = AutoConfig.from_pretrained(cached, local_files_only=True)
             return hf_config, lambda: AutoTokenizer.from_pretrained(cached, local_files_only=True)
         except Exception:  # a damaged cache entry is rebuilt below
             shutil.rmtree(cached, ignore_errors=True)
+    # transformers parses untrusted metadata here and may raise anything on a damaged file.
     try:
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     except ValueError as exc:
         raise UnsupportedArchitecture(f"{path}: {exc}") from None
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: the GGUF metadata cannot be read as a model config ({type(exc).__name__}: {exc})") from None
     if getattr(hf_config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return hf_config, lambda: None  # the caller reports the unsupported architecture
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"{path}: the tokenizer cannot be built from the GGUF metadata ({type(exc).__name__}: {exc}); "
+            "re-convert the model with a current llama.cpp"
+        ) from None
     try:
         with atomic_dir(cached) as tmp:
             hf_config.save_pretrained(tmp)
