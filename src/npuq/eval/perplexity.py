@@ -1,0 +1,190 @@
+"""Score a corpus with any "logits for these tokens" callable: word/byte perplexity, bits per byte.
+
+The scorer only needs ``LogitsFn``: tokens (B, T) int64 → logits (B, T, V) of a causal forward
+that starts from an empty cache. The float model, a quantized PT2E program and an ONNX session
+all fit, so one code path evaluates every stage. Windows follow lm-evaluation-harness
+(:mod:`npuq.data.windows`), the arithmetic is :mod:`npuq.eval.metrics`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from npuq.data.corpora import Document
+from npuq.data.windows import Window, document_windows, length_batches
+from npuq.errors import NpuqError
+from npuq.eval.metrics import PerplexityTotals, document_totals, perplexity_metrics
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # (B, T) int64 → (B, T, V) float
+
+_ROWS_PER_CHUNK = 128  # float64 log-softmax over (128, V) at a time bounds the extra memory
+
+
+@dataclass(frozen=True)
+class TokenizedDocument:
+    page: str  # words and bytes are counted on it
+    tokens: tuple[int, ...]
+
+
+def check_context(context: int, limit: int | None = None) -> None:
+    if context < 2:
+        raise NpuqError(f"--context {context} is too small: a window needs at least 2 tokens; use 2 or more (e.g. 512)")
+    if limit is not None and context > limit:
+        raise NpuqError(f"--context {context} exceeds the model's limit of {limit} tokens (max_position_embeddings): use at most {limit}")
+
+
+def prefix_token_id(tokenizer: Any) -> int:
+    """The token that starts every document's first window: BOS if the tokenizer has one, else EOS."""
+    for name in ("bos_token_id", "eos_token_id"):
+        token = getattr(tokenizer, name, None)
+        if token is not None:
+            return int(token)
+    raise NpuqError("the tokenizer has neither a BOS nor an EOS token to start documents with: use a model whose tokenizer defines one")
+
+
+def tokenize_documents(
+    tokenizer: Any, documents: Sequence[Document], max_docs: int | None = None, max_tokens: int | None = None
+) -> list[TokenizedDocument]:
+    """Token ids of each document (no special tokens), within the optional budgets.
+
+    ``max_docs`` keeps the first N documents. ``max_tokens`` keeps whole documents until N tokens;
+    the document that crosses N is cut at N tokens and its words and bytes are counted on the
+    decoded kept tokens (so with a budget the figures are not the full-corpus ones).
+    """
+    out: list[TokenizedDocument] = []
+    used = 0
+    for doc in documents[:max_docs]:
+        if max_tokens is not None and used >= max_tokens:
+            break
+        tokens = list(tokenizer.encode(doc.target, add_special_tokens=False))
+        if not tokens:
+            continue
+        page = doc.page
+        if max_tokens is not None and used + len(tokens) > max_tokens:
+            tokens = tokens[: max_tokens - used]
+            page = tokenizer.decode(tokens)
+        out.append(TokenizedDocument(page, tuple(tokens)))
+        used += len(tokens)
+    if not out:
+        raise NpuqError("no tokens to score: the selected documents are empty after tokenization; choose more documents or another corpus")
+    return out
+
+
+def window_loglikelihood(logits: torch.Tensor, targets: Sequence[int]) -> float:
+    """Σ log p(targets[j]) from the last n = len(targets) rows of ``logits`` (T, V), in float64."""
+    n = len(targets)
+    rows = logits[logits.shape[0] - n :]  # (n, V)
+    target = torch.as_tensor(targets, dtype=torch.long)
+    total = 0.0
+    for start in range(0, n, _ROWS_PER_CHUNK):
+        chunk = rows[start : start + _ROWS_PER_CHUNK].double()  # (c, V)
+        picked = chunk.gather(1, target[start : start + _ROWS_PER_CHUNK, None]).squeeze(1)  # (c,)
+        total += (picked - torch.logsumexp(chunk, dim=1)).sum().item()
+    return total
+
+
+def score_windows(
+    logits_fn: LogitsFn, windows: Sequence[Window], batch_size: int = 1, progress: bool = False
+) -> list[float]:
+    """Log-likelihood of each window's targets, in the order of ``windows``."""
+    from tqdm import tqdm
+
+    scores = [0.0] * len(windows)
+    with tqdm(total=len(windows), desc="perplexity", unit="window", disable=not progress, leave=False) as bar:
+        for batch in length_batches(windows, batch_size):
+            tokens = torch.tensor([windows[i].inputs for i in batch], dtype=torch.long)  # (B, T)
+            with torch.no_grad():
+                logits = logits_fn(tokens)  # (B, T, V)
+            if tuple(logits.shape[:2]) != tuple(tokens.shape):
+                raise ValueError(f"logits_fn returned shape {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; expected (B, T, V)")
+            for row, i in enumerate(batch):
+                scores[i] = window_loglikelihood(logits[row], windows[i].targets)
+            bar.update(len(batch))
+    return scores
+
+
+def evaluate_perplexity(
+    logits_fn: LogitsFn,
+    tokenizer: Any,
+    documents: Sequence[Document],
+    context: int,
+    *,
+    batch_size: int = 1,
+    max_docs: int | None = None,
+    max_tokens: int | None = None,
+    max_context: int | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Word/byte perplexity and bits per byte of ``documents`` under ``logits_fn``.
+
+    Result: word_perplexity, byte_perplexity, bits_per_byte, loglikelihood, tokens, words,
+    bytes, documents, windows, context, seconds (tokenization and scoring).
+    """
+    check_context(context, max_context)
+    start = time.perf_counter()
+    docs = tokenize_documents(tokenizer, documents, max_docs, max_tokens)
+    windows = document_windows([d.tokens for d in docs], prefix_token_id(tokenizer), context)
+    scores = score_windows(logits_fn, windows, batch_size, progress)
+    per_doc = [0.0] * len(docs)
+    for window, score in zip(windows, scores):
+        per_doc[window.doc] += score
+    totals = sum(
+        (document_totals(d.page, ll, len(d.tokens)) for d, ll in zip(docs, per_doc)),
+        PerplexityTotals(0.0, 0, 0, 0, 0),
+    )
+    return {
+        **perplexity_metrics(totals),
+        "loglikelihood": totals.loglikelihood,
+        "tokens": totals.tokens,
+        "words": totals.words,
+        "bytes": totals.bytes,
+        "documents": totals.documents,
+        "windows": len(windows),
+        "context": context,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def evaluate_model(
+    loaded: Any,
+    documents: Sequence[Document],
+    context: int = 512,
+    *,
+    batch_size: int = 1,
+    max_docs: int | None = None,
+    max_tokens: int | None = None,
+    num_threads: int = 0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Perplexity of a loaded float model (:func:`npuq.models.load_model`) on ``documents``.
+
+    ``num_threads``: torch threads while scoring, applied through :func:`npuq.threads.thread_scope`;
+    0 leaves torch's count as it is. Result: :func:`evaluate_perplexity`'s, plus model and threads.
+    """
+    from npuq.runtime.runner import forward_logits
+
+    check_context(context, loaded.config.max_position_embeddings)
+    model = loaded.model
+    if context > model.max_context:
+        raise NpuqError(
+            f"--context {context} exceeds the {model.max_context} positions the model was prepared for: "
+            f"load it with load_model(..., max_context={context})"
+        )
+    if num_threads:
+        from npuq.threads import thread_scope
+
+        scope = thread_scope(num_threads)
+    else:
+        scope = contextlib.nullcontext()
+    with scope:
+        threads = torch.get_num_threads()
+        result = evaluate_perplexity(
+            lambda tokens: forward_logits(model, tokens), loaded.tokenizer, documents, context,
+            batch_size=batch_size, max_docs=max_docs, max_tokens=max_tokens, progress=progress,
+        )
+    return {**result, "model": loaded.name, "threads": threads}

@@ -1,0 +1,99 @@
+"""Corpora: the offline builtin split, file corpora and their errors, the wikitext detokenizer."""
+
+import builtins
+import hashlib
+import json
+
+import pytest
+
+from npuq.data.corpora import builtin_split_of, load_corpus, wikitext2_documents, wikitext_detokenize
+from npuq.errors import NpuqError
+
+
+def test_builtin_splits_are_disjoint_sorted_and_cover_the_topics():
+    from pydoc_data.topics import topics
+
+    calib, evals = load_corpus("builtin", "calib"), load_corpus("builtin", "eval")
+    assert calib and evals
+    for docs in (calib, evals):
+        assert [d.id for d in docs] == sorted(d.id for d in docs)
+    calib_text = {d.page for d in calib}
+    assert not calib_text & {d.page for d in evals}
+    assert {d.id for d in calib} | {d.id for d in evals} == {f"builtin/{t}" for t, v in topics.items() if v.strip()}
+    # Balanced enough to calibrate on one half and evaluate on the other.
+    assert 0.3 < sum(len(d.page) for d in evals) / sum(len(d.page) for d in calib + evals) < 0.7
+
+
+def test_builtin_split_is_a_fixed_hash_not_pythons_salted_one():
+    for topic in ("assert", "with", "lambda", "numbers"):
+        expected = "calib" if hashlib.sha256(topic.encode()).digest()[0] % 2 == 0 else "eval"
+        assert builtin_split_of(topic) == expected
+    assert load_corpus("builtin") == load_corpus("builtin")
+
+
+def test_txt_and_jsonl_files(tmp_path):
+    txt = tmp_path / "one.txt"
+    txt.write_text("A single page.\nSecond line.", encoding="utf-8")
+    (doc,) = load_corpus(f"file:{txt}")
+    assert doc.page == "A single page.\nSecond line." and doc.target == doc.page
+
+    jsonl = tmp_path / "many.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": t}) for t in ["first", "", "third"]) + "\n\n", encoding="utf-8")
+    docs = load_corpus(f"file:{jsonl}", "calib")
+    assert [d.page for d in docs] == ["first", "third"]
+    assert len({d.id for d in docs}) == 2
+
+
+def test_jsonl_line_without_text_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n{"body": "no text here"}\n', encoding="utf-8")
+    with pytest.raises(NpuqError, match=r'line 2: no "text" field'):
+        load_corpus(f"file:{path}")
+
+
+def test_jsonl_line_that_is_not_json(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n\nnot json\n', encoding="utf-8")
+    with pytest.raises(NpuqError, match=r"line 3: not valid JSON"):
+        load_corpus(f"file:{path}")
+
+
+def test_missing_file_and_bad_suffix(tmp_path):
+    with pytest.raises(NpuqError, match="does not exist"):
+        load_corpus(f"file:{tmp_path / 'nope.txt'}")
+    (tmp_path / "data.csv").write_text("a,b", encoding="utf-8")
+    with pytest.raises(NpuqError, match=r"expected a \.txt or \.jsonl"):
+        load_corpus(f"file:{tmp_path / 'data.csv'}")
+
+
+@pytest.mark.parametrize("content", ["", "  \n\t\n"])
+def test_empty_corpus_is_refused(tmp_path, content):
+    path = tmp_path / "empty.txt"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(NpuqError, match="no documents with text"):
+        load_corpus(f"file:{path}")
+
+
+def test_unknown_corpus_and_split():
+    with pytest.raises(NpuqError, match="unknown corpus 'wiki'.*file:PATH"):
+        load_corpus("wiki")
+    with pytest.raises(NpuqError, match="unknown split 'test'"):
+        load_corpus("builtin", "test")
+
+
+def test_wikitext2_without_datasets_says_how_to_use_a_file(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_datasets(name, *args, **kwargs):
+        if name == "datasets":
+            raise ImportError("No module named 'datasets'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    with pytest.raises(NpuqError, match="file:PATH"):
+        wikitext2_documents("eval")
+
+
+def test_wikitext_detokenizer():
+    raw = ' = Valkyria = \n The game , released in 2011 @-@ 12 , sold 1 @,@ 000 @.@ 5 units ( in Japan ) . It \'s " good " . \n'
+    assert wikitext_detokenize(raw) == ' = Valkyria =\nThe game, released in 2011-12, sold 1,000.5 units (in Japan). It\'s "good".\n'
