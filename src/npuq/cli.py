@@ -82,6 +82,96 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# --------------------------------------------------------------------------- eval
+def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
+    from npuq.data import load_corpus
+    from npuq.eval.perplexity import check_context, evaluate_model
+    from npuq.models import DEFAULT_MAX_CONTEXT, load_model
+
+    check_context(args.context)  # cheap checks before the model loads
+    documents = load_corpus(args.corpus, args.split)
+    loaded = load_model(args.model, max_context=args.context if args.context > DEFAULT_MAX_CONTEXT else None)
+    check_context(args.context, loaded.config.max_position_embeddings)
+    result = evaluate_model(
+        loaded, documents, args.context, batch_size=args.batch_size, max_docs=args.max_docs,
+        max_tokens=args.max_tokens, num_threads=args.num_threads, progress=True,
+    )
+    result["corpus"] = args.corpus
+    result["split"] = None if args.corpus.startswith("file:") else args.split
+    print(
+        f"word perplexity {result['word_perplexity']:.4f}, byte perplexity {result['byte_perplexity']:.4f}, "
+        f"bits per byte {result['bits_per_byte']:.4f}"
+    )
+    print(
+        f"[{result['tokens']} tokens, {result['words']} words, {result['bytes']} bytes in {result['documents']} "
+        f"documents, context {result['context']}, {result['seconds']:.1f} s, {result['threads']} threads]",
+        file=sys.stderr,
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- tune-threads
+def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
+    from npuq.models import load_model
+    from npuq.threads import cpu_limits, tune_cached
+    from npuq.threads.workloads import PHASES, phase_workload
+
+    phases = list(PHASES) if "all" in args.phase else list(dict.fromkeys(args.phase))
+    loaded = load_model(args.model)
+    limits = cpu_limits()
+    print(f"ceiling {limits.ceiling} threads (affinity {limits.affinity} CPUs, cgroup quota "
+          f"{limits.quota or 'none'})", file=sys.stderr)
+    results = []
+    for phase in phases:
+        workload = phase_workload(loaded.model, phase, args.context, args.prefill_len if phase == "prefill" else None)
+
+        def progress(n: int, seconds: float | None, phase: str = phase) -> None:
+            shown = "failed" if seconds is None else f"{seconds * 1e3:.1f} ms"
+            print(f"  {phase:<9} {n:>3} threads  {shown}", file=sys.stderr)
+
+        results.append(tune_cached(phase, workload, ceiling=limits.ceiling, retune=args.retune, on_candidate=progress))
+    print(f"{'phase':<10}{'best':>5}{'ms/step':>10}{'default':>9}{'speedup':>9}{'tuning s':>10}  cached")
+    for r in results:
+        ms = "-" if r.best_seconds is None else f"{r.best_seconds * 1e3:.1f}"
+        speedup = "-" if r.speedup_vs_default is None else f"{r.speedup_vs_default:.2f}x"
+        print(f"{r.phase:<10}{r.best:>5}{ms:>10}{r.default_threads:>9}{speedup:>9}{r.tuning_seconds:>10.1f}  {r.cached}")
+    if args.plot:
+        from npuq.threads.plot import plot_results
+
+        plot_results(results, args.plot, title=f"{args.model}, context {args.context}, ceiling {limits.ceiling}")
+    return {
+        "model": args.model,
+        "context": args.context,
+        "prefill_len": args.prefill_len,
+        "affinity_cpus": limits.affinity,
+        "cgroup_quota_cpus": limits.quota,
+        "ceiling": limits.ceiling,
+        "plan": {r.phase: r.best for r in results},
+        "results": [r.to_dict() for r in results],
+    }
+
+
+# --------------------------------------------------------------------------- quantize
+def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
+    from npuq.quant.run import quantize_to_artifact
+
+    result, summary = quantize_to_artifact(
+        args.model, args.out, scheme=args.scheme, recipe=args.recipe, corpus=args.calib_corpus,
+        calib_tokens=args.calib_tokens, context=args.context, calibration_mode=args.calibration_mode,
+        prefill_len=args.prefill_len, batch_size=args.batch_size, num_threads=args.num_threads,
+        force=args.force, progress=True,
+    )
+    if args.recipe_summary:
+        print(summary)
+    print(
+        f"{result['artifact']}: {result['scheme']} ({result['recipe']}), {result['calibration_mode']} calibration on "
+        f"{result['calibration_tokens']} tokens in {result['calibration_seconds']:.1f} s "
+        f"(prepare {result['prepare_seconds']:.1f} s, convert {result['convert_seconds']:.1f} s, "
+        f"total {result['total_seconds']:.1f} s, {result['threads']} threads)"
+    )
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="npuq",
@@ -109,6 +199,79 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads(p)
     _add_common(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="perplexity on a corpus, as lm-evaluation-harness's wikitext task reports it",
+                       description="Score every token of each document once in disjoint rolling windows "
+                                   "and report word perplexity, byte perplexity and bits per byte.")
+    _add_model(p)
+    p.add_argument("--corpus", default="builtin", metavar="C",
+                   help="builtin (Python's own documentation, offline), file:PATH (.txt = one document, "
+                        ".jsonl = {\"text\": ...} per line) or wikitext2 (needs the datasets library) "
+                        "(default: builtin)")
+    p.add_argument("--split", choices=("eval", "calib"), default="eval",
+                   help="which half of builtin / wikitext2 (test / train) to score; files have no split (default: eval)")
+    p.add_argument("--context", type=_nonneg_int, default=512, metavar="L",
+                   help="tokens per window, 2 to the model's limit (default 512)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--max-docs", type=_pos_int, metavar="N", help="score only the first N documents")
+    budget.add_argument("--max-tokens", type=_pos_int, metavar="N",
+                        help="score only the first N tokens (whole documents, the last one cut)")
+    p.add_argument("--batch-size", type=_pos_int, default=4, metavar="N",
+                   help="windows of equal length per forward (default 4)")
+    _add_threads(p)
+    _add_common(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("tune-threads", help="measure the fastest CPU thread count of each phase and cache it",
+                       description="Time one float forward of each phase at a few thread counts up to the "
+                                   "CPUs this process may use (affinity mask and cgroup quota) and keep the "
+                                   "fastest; results are cached per CPU model, ceiling, torch version and "
+                                   "workload, so later runs and --num-threads 0 reuse them.")
+    _add_model(p)
+    p.add_argument("--phase", action="append", required=True, choices=("decode", "prefill", "calibrate", "all"),
+                   help="phase to tune, repeatable: decode (AR-1 step), prefill (AR-N chunk), calibrate "
+                        "(a whole context at once) or all")
+    p.add_argument("--context", type=_pos_int, default=512, metavar="L",
+                   help="context length of the static graphs (default 512)")
+    p.add_argument("--prefill-len", type=_pos_int, default=32, metavar="N",
+                   help="tokens per prefill (AR-N) call (default 32)")
+    p.add_argument("--retune", action="store_true", help="measure again even if the cache has a result")
+    p.add_argument("--plot", metavar="PNG", help="also draw time per step against thread count to PNG")
+    _add_common(p)
+    p.set_defaults(func=cmd_tune_threads)
+
+    from npuq.quant.recipe import RECIPES
+    from npuq.quant.schemes import SCHEMES
+
+    p = sub.add_parser("quantize", help="post-training quantization for the HTP: calibrate, write decode + prefill programs",
+                       description="Quantize a model the HTP way (PT2E, uint16/uint8 activations, per-channel "
+                                   "weights), calibrate it on corpus text and write an artifact folder: decode.pt2 "
+                                   "and prefill.pt2 with identical encodings, encodings.json and config.json.")
+    _add_model(p)
+    p.add_argument("--scheme", choices=list(SCHEMES), metavar="S",
+                   help=f"default scheme, one of {', '.join(SCHEMES)} (default: the recipe's; smollm2-135m: 16a8w)")
+    p.add_argument("--recipe", metavar="R",
+                   help=f"built-in recipe ({', '.join(RECIPES)}) or a JSON file of rules; --scheme replaces its "
+                        "default (default: the model's built-in recipe)")
+    p.add_argument("--calib-corpus", default="builtin", metavar="C",
+                   help="corpus whose calib split is the calibration text: builtin, file:PATH or wikitext2 (default: builtin)")
+    p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N",
+                   help="calibration tokens (whole windows of --context, plus one shorter tail) (default 4096)")
+    p.add_argument("--context", type=_pos_int, default=512, metavar="L",
+                   help="context length of the programs and calibration window (default 512)")
+    p.add_argument("--prefill-len", type=_pos_int, default=None, metavar="N",
+                   help="ar_len of the prefill program (default: 32, at most half the context)")
+    p.add_argument("--calibration-mode", choices=("onepass", "sequential"), default="onepass",
+                   help="onepass: whole windows through the calibrate graph, encodings copied to decode and "
+                        "prefill (fast); sequential: the decode graph token by token (the published reference, slow)")
+    p.add_argument("--batch-size", type=_pos_int, default=8, metavar="N",
+                   help="windows per one-pass calibration forward (default 8)")
+    p.add_argument("--recipe-summary", action="store_true", help="print which rule and scheme each layer got")
+    p.add_argument("--out", required=True, metavar="DIR", help="artifact folder to write (must not exist unless --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out folder (only once the new one is complete)")
+    _add_threads(p)
+    _add_common(p)
+    p.set_defaults(func=cmd_quantize)
 
     return parser
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
 from npuq.errors import NpuqError
 from npuq.runtime.runner import StaticRunner
+from npuq.threads import plan_threads
+from npuq.threads.workloads import phase_workloads
 
 
 def generate(
@@ -22,7 +22,8 @@ def generate(
     """Greedy continuation of ``prompt``; stops at EOS or after ``max_new_tokens``.
 
     Result: text, token_ids (generated only), prefill_seconds, decode_seconds,
-    tokens_per_second (decode steps per second), threads.
+    tokens_per_second (decode steps per second), threads (of decode), thread_plan (per phase:
+    threads and source). ``num_threads`` > 0 runs both phases with that many; 0 tunes them.
     """
     cfg, model = loaded.config, loaded.model
     if context > model.max_context:
@@ -41,16 +42,19 @@ def generate(
     graphs = {1: model, prefill_len: model}
     runner = StaticRunner(cfg, graphs, context)
     eos = cfg.eos_token_id
-    threads = torch.get_num_threads()
+    # num_threads 0: each phase's count is tuned once per host and cached (npuq.threads).
+    plan, _ = plan_threads(phase_workloads(model, ("prefill", "decode"), context, prefill_len), num_threads)
 
     start = time.perf_counter()
-    logits = runner.feed(prompt_ids)
+    with plan.scope("prefill"):
+        logits = runner.feed(prompt_ids)
     prefill_seconds = time.perf_counter() - start
     generated = [int(logits[0, -1].argmax())]
     start = time.perf_counter()
-    while len(generated) < max_new_tokens and generated[-1] != eos:
-        logits = runner.feed([generated[-1]])
-        generated.append(int(logits[0, -1].argmax()))
+    with plan.scope("decode"):
+        while len(generated) < max_new_tokens and generated[-1] != eos:
+            logits = runner.feed([generated[-1]])
+            generated.append(int(logits[0, -1].argmax()))
     decode_seconds = time.perf_counter() - start
     steps = len(generated) - 1
     return {
@@ -60,5 +64,6 @@ def generate(
         "prefill_seconds": prefill_seconds,
         "decode_seconds": decode_seconds,
         "tokens_per_second": steps / decode_seconds if steps and decode_seconds > 0 else 0.0,
-        "threads": threads,
+        "threads": plan.threads["decode"],
+        "thread_plan": plan.to_dict(),
     }

@@ -1,0 +1,19 @@
+"""CPU thread counts: measured per phase, applied in a scope, cached per host.
+
+The rest of npuq uses exactly two things from here:
+
+- ``thread_scope(n)`` / ``plan.scope(phase)``: the only way npuq changes thread counts;
+- ``plan_threads(workloads, requested)``: a :class:`ThreadPlan` from user counts, the cache or
+  fresh tuning, built once and passed down to the code that runs each phase.
+"""
+
+from npuq.threads.limits import CpuLimits, cgroup_cpu_limit, cpu_ceiling, cpu_limits, cpu_model
+from npuq.threads.plan import SOURCES, ThreadPlan, check_requested, plan_threads, tune_cached
+from npuq.threads.scope import thread_scope
+from npuq.threads.tuner import EXHAUSTIVE, TuneResult, TuneSettings, Workload, candidate_counts, choose, tune
+
+__all__ = [
+    "EXHAUSTIVE", "SOURCES", "CpuLimits", "ThreadPlan", "TuneResult", "TuneSettings", "Workload",
+    "candidate_counts", "cgroup_cpu_limit", "check_requested", "choose", "cpu_ceiling", "cpu_limits",
+    "cpu_model", "plan_threads", "thread_scope", "tune", "tune_cached",
+]
