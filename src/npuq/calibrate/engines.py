@@ -1,0 +1,53 @@
+"""The two calibration engines: one pass over whole windows, or AR-1 decode token by token.
+
+Both see the same windows (:func:`npuq.calibrate.windows.split_windows`), each a fresh
+sequence from position 0 with an empty cache, and only real tokens: with min/max observers
+the row t of a full causal forward carries exactly the values decode step t computes
+(REFERENCE.md §3), so the two give the same encodings except for tensors whose content
+depends on the cache length (see tests/calibrate/test_calibrate_onepass_vs_sequential.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.fx import GraphModule
+
+from npuq.calibrate.windows import CalibrationWindows
+from npuq.models.config import ModelConfig
+from npuq.quant.observers import check_observers
+from npuq.runtime.runner import StaticRunner, step_inputs
+
+Progress = Callable[[int], None]  # called with the number of tokens just calibrated
+
+
+def calibrate_onepass(
+    graph: GraphModule, cfg: ModelConfig, windows: CalibrationWindows, batch_size: int = 8,
+    progress: Progress | None = None,
+) -> None:
+    """Run the observed calibrate graph (dynamic B, T) on whole windows, ``batch_size`` per
+    forward, then the tail as its own shorter forward: no padded position reaches an observer."""
+    batches = list(windows.full.split(batch_size)) + ([windows.tail] if windows.tail is not None else [])
+    with torch.no_grad():
+        for tokens in batches:
+            T = tokens.shape[1]
+            graph(*step_inputs(cfg, tokens, 0, T))
+            check_observers(graph)
+            if progress:
+                progress(tokens.numel())
+
+
+def calibrate_sequential(
+    graph: GraphModule, cfg: ModelConfig, windows: CalibrationWindows, context: int,
+    progress: Progress | None = None,
+) -> None:
+    """Run the observed decode graph (AR-1, batch 1) token by token over each window, writing
+    its own KV cache (teacher forcing): the published reference."""
+    for row in windows.rows():
+        runner = StaticRunner(cfg, {1: graph}, context)
+        for t in row.tolist():
+            runner.feed([t])
+            if progress:
+                progress(1)
+        check_observers(graph)

@@ -1,0 +1,222 @@
+"""quantize_model: export → prepare → calibrate → carry encodings → convert.
+
+    onepass     calibrate graph (T = L, dynamic batch/length) on whole windows; its observer
+                state is copied node by node into the decode and prefill graphs
+    sequential  the decode graph itself, token by token with its own KV cache; its state is
+                copied into the prefill graph
+
+Either way decode and prefill end with identical encodings, and each KV-cache input shares
+its observer with the matching K/V output (see npuq.quant.quantizer), so the encoding of a
+cache input equals that of the cache output the runner copies into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch.fx import GraphModule
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+from npuq.calibrate.encodings import collect_encodings
+from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
+from npuq.calibrate.graphs import export_graph
+from npuq.calibrate.transfer import copy_observer_state
+from npuq.calibrate.windows import CalibrationWindows, split_windows
+from npuq.errors import NpuqError
+from npuq.models.config import ModelConfig
+from npuq.quant.observers import name_observers
+from npuq.quant.quantizer import HtpQuantizer
+from npuq.quant.recipe import Recipe, RecipePlan
+from npuq.runtime.runner import StaticRunner
+
+CALIBRATION_MODES = ("onepass", "sequential")
+DEFAULT_PREFILL_LEN = 32
+
+
+def default_prefill_len(context: int) -> int:
+    return max(1, min(DEFAULT_PREFILL_LEN, context // 2))
+
+
+@dataclass
+class QuantizedModel:
+    """Converted decode and prefill programs with their encodings (and how they were made)."""
+
+    config: ModelConfig
+    context: int
+    prefill_len: int
+    decode: GraphModule
+    prefill: GraphModule
+    encodings: dict[str, Any]
+    recipe: Recipe
+    plan: RecipePlan | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def graphs(self) -> dict[int, GraphModule]:
+        return {1: self.decode, self.prefill_len: self.prefill}
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """LogitsFn: (B, T) → (B, T, V) from an empty cache, through prefill chunks and decode
+        steps exactly as a device runs the two programs (one sequence at a time: batch 1)."""
+        return run_programs(self.config, self.graphs(), self.context, tokens)
+
+
+def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens: torch.Tensor) -> torch.Tensor:
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
+    if tokens.shape[1] > context:
+        raise NpuqError(f"{tokens.shape[1]} tokens exceed the programs' context of {context}: shorten the input")
+    rows = []
+    for row in tokens:
+        runner = StaticRunner(cfg, graphs, context)
+        rows.append(runner.feed(row.tolist()))
+    return torch.cat(rows, dim=0)
+
+
+def prepare_graph(model: torch.nn.Module, recipe: Recipe, mode: str, context: int, ar_len: int | None = None) -> tuple[GraphModule, HtpQuantizer]:
+    """Export one graph and insert observers (and record which tensors each observer watches)."""
+    quantizer = HtpQuantizer(recipe, model.config.num_layers)
+    prepared = prepare_pt2e(export_graph(model, mode, context, ar_len), quantizer)
+    name_observers(prepared)
+    return prepared, quantizer
+
+
+def quantize_model(
+    model: torch.nn.Module,
+    recipe: Recipe,
+    tokens: Sequence[int] | torch.Tensor | CalibrationWindows,
+    *,
+    context: int,
+    mode: str = "onepass",
+    prefill_len: int | None = None,
+    batch_size: int = 8,
+    num_threads: int = 0,
+    progress: bool = False,
+) -> QuantizedModel:
+    """Quantize a StaticDecoder with ``recipe``, calibrated on ``tokens`` (see module docstring).
+
+    ``num_threads`` > 0 runs calibration at that many torch threads (restored afterwards);
+    0 keeps the current count. ``stats`` of the result holds the timings and counts the CLI
+    reports.
+    """
+    if mode not in CALIBRATION_MODES:
+        raise NpuqError(f"unknown calibration mode {mode!r}; choose one of {', '.join(CALIBRATION_MODES)}")
+    if context > model.max_context:
+        raise NpuqError(f"--context {context} exceeds the {model.max_context} positions the model was prepared for")
+    prefill_len = prefill_len or default_prefill_len(context)
+    if not 1 <= prefill_len < context:
+        raise NpuqError(f"prefill length {prefill_len} must be at least 1 and below the context {context}")
+    windows = tokens if isinstance(tokens, CalibrationWindows) else split_windows(tokens, context)
+    cfg = model.config
+    start = time.perf_counter()
+
+    decode, quantizer = prepare_graph(model, recipe, "decode", context)
+    prefill, _ = prepare_graph(model, recipe, "prefill", context, prefill_len)
+    calib = prepare_graph(model, recipe, "calibrate", context)[0] if mode == "onepass" else None
+    prepared_at = time.perf_counter()
+
+    bar = _progress_bar(windows.tokens, f"calibrating ({mode})") if progress else None
+    update = bar.update if bar is not None else None
+    with _threads(num_threads) as threads:
+        try:
+            if calib is not None:
+                calibrate_onepass(calib, cfg, windows, batch_size, update)
+                copy_observer_state(calib, decode)
+            else:
+                calibrate_sequential(decode, cfg, windows, context, update)
+            copy_observer_state(decode, prefill)
+        finally:
+            if bar is not None:
+                bar.close()
+    calibrated_at = time.perf_counter()
+
+    encodings = collect_encodings(decode)
+    decode_q, prefill_q = (drop_unused_tensors(convert_pt2e(gm)) for gm in (decode, prefill))
+    done = time.perf_counter()
+    stats = {
+        "scheme": recipe.default,
+        "recipe": recipe.name,
+        "calibration_mode": mode,
+        "calibration_tokens": windows.tokens,
+        "calibration_windows": len(windows.rows()),
+        "context": context,
+        "prefill_len": prefill_len,
+        "prepare_seconds": prepared_at - start,
+        "calibration_seconds": calibrated_at - prepared_at,
+        "convert_seconds": done - calibrated_at,
+        "threads": threads,
+    }
+    return QuantizedModel(cfg, context, prefill_len, decode_q, prefill_q, encodings, recipe, quantizer.plan, stats)
+
+
+def fold_constant_dequant(gm: GraphModule) -> GraphModule:
+    """Replace every dequantize op whose inputs are all constants (integer weights and their
+    scales) by its float result, computed once. The numbers are unchanged; a CPU simulation
+    then skips dequantizing every weight at every call (most of a prefill call's time)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or "dequantize" not in str(node.target):
+            continue
+        if not node.all_input_nodes or any(a.op != "get_attr" for a in node.all_input_nodes):
+            continue
+
+        def value(arg):
+            if isinstance(arg, torch.fx.Node):
+                obj = gm
+                for part in arg.target.split("."):
+                    obj = getattr(obj, part)
+                return obj
+            if isinstance(arg, (list, tuple)):
+                return type(arg)(value(a) for a in arg)
+            return arg
+
+        with torch.no_grad():
+            result = node.target(*value(node.args), **{k: value(v) for k, v in node.kwargs.items()})
+        name = f"_folded_{node.name}"
+        gm.register_buffer(name, result.detach().contiguous())
+        with graph.inserting_before(node):
+            const = graph.get_attr(name)
+        node.replace_all_uses_with(const)
+        graph.erase_node(node)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return drop_unused_tensors(gm)
+
+
+def drop_unused_tensors(gm: GraphModule) -> GraphModule:
+    """Delete parameters and buffers no get_attr reads: after convert the float weights are
+    replaced by folded integer constants but stay attached, and an export would save both."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    named = list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+    for name, _ in named:
+        if name in used:
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if hasattr(owner, attr):
+            delattr(owner, attr)
+    return gm
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    """Run at ``n`` torch threads (0: leave as is); yields the count in effect."""
+    if n < 0:
+        raise NpuqError(f"thread count {n} is negative: give 0 for the current count or a positive number")
+    if n == 0:
+        yield torch.get_num_threads()
+        return
+    from npuq.threads.scope import thread_scope
+
+    with thread_scope(n) as count:
+        yield count if isinstance(count, int) else torch.get_num_threads()
+
+
+def _progress_bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False)

@@ -1,0 +1,255 @@
+"""Recipes: which scheme each layer gets, as data.
+
+A recipe is a default scheme, an ordered list of rules and a few options:
+
+    rule      op kind and/or module-path regex → scheme, with a priority
+    options   kv_bits (8 | 16), embedding (shared | pcq8 | pcq4), lm_head (a scheme or None)
+
+A "layer" is one (module path, op kind) pair of the exported graph; module paths come from
+``node.meta["nn_module_stack"]`` and read like the checkpoint (``layers.3.mlp.down_proj``).
+The highest-priority matching rule wins (ties: the earlier rule); the ``lm_head`` option is a
+rule above all others for the lm head; layers no rule matches take the default. A rule that
+matches no layer of the model is an error: it is almost always a typo in the regex.
+
+Recipes load from a built-in name (:data:`RECIPES`) or a JSON file whose keys are checked
+(an unknown key fails loudly instead of being ignored)::
+
+    {"default": "16a4w", "kv_bits": 16, "embedding": "shared", "lm_head": "16a8w",
+     "rules": [{"path": "layers\\\\.\\\\d+\\\\.mlp\\\\.down_proj", "scheme": "16a8w", "priority": 1}]}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from npuq.errors import NpuqError
+from npuq.quant.schemes import SCHEMES, Scheme, get_scheme
+
+# Op kinds the quantizer assigns to graph nodes (see npuq.quant.quantizer).
+OP_KINDS = (
+    "embedding",  # token-table gather
+    "linear",  # weight × activation (projections, lm head)
+    "matmul",  # activation × activation (Q·Kᵀ, P·V)
+    "norm",  # RMSNorm as one backend op
+    "softmax",
+    "act_fn",  # silu, gelu, sigmoid, tanh
+    "elementwise",  # add, mul, neg, sub, div, rsqrt, pow, mean
+    "concat",
+    "rope_table",  # gather from the cos/sin tables
+)
+EMBEDDING_MODES = ("shared", "pcq8", "pcq4")
+LM_HEAD_PATH = "lm_head"
+
+
+@dataclass(frozen=True)
+class Rule:
+    scheme: str
+    op: str | None = None  # one of OP_KINDS
+    path: str | None = None  # regex matched against the whole module path (re.fullmatch)
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        get_scheme(self.scheme)
+        if self.op is None and self.path is None:
+            raise NpuqError(f"recipe rule → {self.scheme} has neither 'op' nor 'path': give at least one")
+        if self.op is not None and self.op not in OP_KINDS:
+            raise NpuqError(f"recipe rule op {self.op!r} is not an op kind; choose one of {', '.join(OP_KINDS)}")
+        if self.path is not None:
+            try:
+                re.compile(self.path)
+            except re.error as exc:
+                raise NpuqError(f"recipe rule path {self.path!r} is not a valid regular expression: {exc}") from None
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise NpuqError(f"recipe rule priority must be a whole number, got {self.priority!r}")
+
+    def matches(self, path: str, kind: str) -> bool:
+        return (self.op is None or self.op == kind) and (self.path is None or re.fullmatch(self.path, path) is not None)
+
+    def describe(self) -> str:
+        what = " ".join(x for x in (f"op={self.op}" if self.op else "", f"path={self.path}" if self.path else "") if x)
+        return f"{what} → {self.scheme} (priority {self.priority})"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    default: str
+    rules: tuple[Rule, ...] = ()
+    kv_bits: int | None = None  # None: the default scheme's activation bits
+    embedding: str = "shared"
+    lm_head: str | None = None  # scheme of the lm head; None: rules decide
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        get_scheme(self.default)
+        object.__setattr__(self, "rules", tuple(self.rules))
+        for r in self.rules:
+            if not isinstance(r, Rule):
+                raise TypeError(f"recipe rules must be Rule objects, got {r!r}")
+        if self.lm_head is not None:
+            get_scheme(self.lm_head)
+        if self.embedding not in EMBEDDING_MODES:
+            raise NpuqError(f"recipe embedding {self.embedding!r} is unknown; choose one of {', '.join(EMBEDDING_MODES)}")
+        act_bits = get_scheme(self.default).activation.bits
+        if self.kv_bits is None:
+            object.__setattr__(self, "kv_bits", act_bits)
+        if self.kv_bits not in (8, 16):
+            raise NpuqError(f"recipe kv_bits must be 8 or 16, got {self.kv_bits!r}")
+        if self.kv_bits > act_bits:
+            raise NpuqError(
+                f"recipe kv_bits {self.kv_bits} exceeds the {act_bits}-bit activations of {self.default}: "
+                f"use kv_bits {act_bits} or a 16-bit activation scheme"
+            )
+        if not self.name:
+            object.__setattr__(self, "name", self.default)
+
+    @property
+    def scheme(self) -> Scheme:
+        return get_scheme(self.default)
+
+    def with_default(self, scheme: str) -> "Recipe":
+        """The same rules and options around another default scheme (``--scheme`` with ``--recipe``)."""
+        get_scheme(scheme)
+        kv = None if self.kv_bits == self.scheme.activation.bits else self.kv_bits
+        return replace(self, default=scheme, kv_bits=kv, name=f"{self.name}@{scheme}" if self.name != self.default else scheme)
+
+    def resolve(self, path: str, kind: str) -> tuple[Scheme, str]:
+        """(scheme, label of the rule that decided) for one layer."""
+        if self.lm_head is not None and path == LM_HEAD_PATH:
+            return get_scheme(self.lm_head), "option lm_head"
+        best: tuple[int, int] | None = None
+        for i, rule in enumerate(self.rules):
+            if rule.matches(path, kind) and (best is None or rule.priority > best[0]):
+                best = (rule.priority, i)
+        if best is None:
+            return get_scheme(self.default), "default"
+        return get_scheme(self.rules[best[1]].scheme), f"rule {best[1]}"
+
+    def plan(self, layers: Iterable[tuple[str, str]]) -> "RecipePlan":
+        """Match every (module path, op kind) layer; a rule that matches nothing is an error."""
+        layers = list(dict.fromkeys(layers))
+        rows = []
+        for path, kind in layers:
+            scheme, label = self.resolve(path, kind)
+            rows.append(LayerAssignment(path, kind, label, scheme.name))
+        unused = [i for i, rule in enumerate(self.rules) if not any(rule.matches(p, k) for p, k in layers)]
+        if unused:
+            i = unused[0]
+            raise NpuqError(
+                f"recipe {self.name!r} rule {i} ({self.rules[i].describe()}) matches no layer of this model; "
+                f"module paths look like {_examples(layers)}: fix the regex or op kind"
+            )
+        if self.lm_head is not None and not any(p == LM_HEAD_PATH for p, _ in layers):
+            raise NpuqError(f"recipe {self.name!r} sets lm_head but the model has no {LM_HEAD_PATH!r} layer")
+        return RecipePlan(self, tuple(rows))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "default": self.default, "kv_bits": self.kv_bits, "embedding": self.embedding,
+            "lm_head": self.lm_head,
+            "rules": [{"op": r.op, "path": r.path, "scheme": r.scheme, "priority": r.priority} for r in self.rules],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], name: str = "") -> "Recipe":
+        if not isinstance(data, dict):
+            raise NpuqError(f"recipe {name or ''} must be a JSON object, got {type(data).__name__}")
+        allowed = {"name", "default", "rules", "kv_bits", "embedding", "lm_head"}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise NpuqError(f"recipe {name!r}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+        if "default" not in data:
+            raise NpuqError(f"recipe {name!r} has no 'default' scheme; add e.g. \"default\": \"16a8w\"")
+        rules = []
+        for i, r in enumerate(data.get("rules", [])):
+            if not isinstance(r, dict):
+                raise NpuqError(f"recipe {name!r} rule {i} must be an object, got {r!r}")
+            bad = sorted(set(r) - {"op", "path", "scheme", "priority"})
+            if bad:
+                raise NpuqError(f"recipe {name!r} rule {i}: unknown key(s) {', '.join(bad)}; allowed: op, path, scheme, priority")
+            if "scheme" not in r:
+                raise NpuqError(f"recipe {name!r} rule {i} has no 'scheme'")
+            rules.append(Rule(r["scheme"], r.get("op"), r.get("path"), r.get("priority", 0)))
+        return cls(data["default"], tuple(rules), data.get("kv_bits"), data.get("embedding", "shared"),
+                   data.get("lm_head"), data.get("name") or name)
+
+
+@dataclass(frozen=True)
+class LayerAssignment:
+    path: str
+    kind: str
+    rule: str  # "default", "rule N" or "option lm_head"
+    scheme: str
+
+
+@dataclass(frozen=True)
+class RecipePlan:
+    """A recipe matched against one model's layers."""
+
+    recipe: Recipe
+    layers: tuple[LayerAssignment, ...] = field(default=())
+
+    def scheme_of(self, path: str, kind: str) -> Scheme:
+        return self.recipe.resolve(path, kind)[0]
+
+    def summary(self) -> str:
+        """One line per layer: module path, op kind, the rule that matched, the scheme."""
+        r = self.recipe
+        head = [f"recipe {r.name}: default {r.default}, kv_bits {r.kv_bits}, embedding {r.embedding}, "
+                f"lm_head {r.lm_head or '(rules)'}"]
+        head += [f"  rule {i}: {rule.describe()}" for i, rule in enumerate(r.rules)]
+        w = max((len(a.path or "(top)") for a in self.layers), default=4)
+        rows = [f"  {(a.path or '(top)'):<{w}}  {a.kind:<11}  {a.rule:<14}  {a.scheme}" for a in self.layers]
+        return "\n".join(head + rows)
+
+    def to_list(self) -> list[dict[str, str]]:
+        return [{"path": a.path, "kind": a.kind, "rule": a.rule, "scheme": a.scheme} for a in self.layers]
+
+
+def _examples(layers: Sequence[tuple[str, str]]) -> str:
+    paths = [p for p, _ in layers if p]
+    return ", ".join(repr(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+
+
+# --------------------------------------------------------------------------- built-ins
+RECIPES: dict[str, Recipe] = {name: Recipe(name) for name in SCHEMES}
+RECIPES["16a4w_mixed"] = Recipe(
+    "16a4w",
+    (Rule("16a8w", op="linear", path=r"layers\.\d+\.mlp\.down_proj", priority=1),),
+    lm_head="16a8w",
+    name="16a4w_mixed",
+)  # REFERENCE.md §1: 16a4w everywhere, lm head and down projections at 16a8w
+
+DEFAULT_RECIPES = {"smollm2-135m": "16a8w", "gemma3-270m": "16a8w"}
+FALLBACK_RECIPE = "16a8w"
+
+
+def default_recipe(model: str) -> Recipe:
+    return RECIPES[DEFAULT_RECIPES.get(model, FALLBACK_RECIPE)]
+
+
+def load_recipe(spec: str | None, scheme: str | None = None, model: str = "") -> Recipe:
+    """The recipe for the CLI's ``--recipe`` / ``--scheme``.
+
+    ``spec``: a built-in recipe name or a .json file; None: the model's default. ``scheme``
+    replaces the recipe's default scheme (with no ``spec``: the uniform recipe of that scheme).
+    """
+    if scheme is not None:
+        get_scheme(scheme)
+    if spec is None:
+        return RECIPES[scheme] if scheme is not None else default_recipe(model)
+    if spec in RECIPES:
+        recipe = RECIPES[spec]
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise NpuqError(f"--recipe {spec!r} is neither a built-in recipe ({', '.join(RECIPES)}) nor a JSON file")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise NpuqError(f"--recipe {spec}: not valid JSON ({exc})") from None
+        recipe = Recipe.from_dict(data, name=path.stem)
+    return recipe.with_default(scheme) if scheme is not None and scheme != recipe.default else recipe

@@ -1,0 +1,96 @@
+"""The ``npuq quantize`` workflow as one typed function: model → calibration tokens → artifact."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from npuq.errors import NpuqError
+
+
+def corpus_tokens(tokenizer: Any, corpus: str, n_tokens: int) -> list[int]:
+    """The first ``n_tokens`` tokens of the corpus's calib split: each document prefixed with
+    BOS (else EOS), documents concatenated in id order."""
+    from npuq.data import load_corpus
+
+    prefix = getattr(tokenizer, "bos_token_id", None)
+    if prefix is None:
+        prefix = getattr(tokenizer, "eos_token_id", None)
+    ids: list[int] = []
+    for doc in load_corpus(corpus, "calib"):
+        if len(ids) >= n_tokens:
+            break
+        body = list(tokenizer.encode(doc.target, add_special_tokens=False))
+        ids += ([prefix] if prefix is not None else []) + body
+    return ids[:n_tokens]
+
+
+def plan_phase(calibration_mode: str) -> str:
+    """The thread-plan phase a calibration mode runs: whole contexts, or AR-1 decode steps."""
+    return "calibrate" if calibration_mode == "onepass" else "decode"
+
+
+def calibration_thread_plan(model: Any, calibration_mode: str, context: int, num_threads: int) -> Any:
+    """The ThreadPlan for calibration: ``num_threads`` if positive, else measured (or cached)
+    on the float workload of the phase (npuq.threads, REFERENCE.md §4)."""
+    from npuq.threads import plan_threads
+    from npuq.threads.workloads import phase_workload
+
+    phase = plan_phase(calibration_mode)
+    plan, _ = plan_threads({phase: phase_workload(model, phase, context)}, num_threads)
+    return plan
+
+
+def quantize_to_artifact(
+    model: str,
+    out: str,
+    *,
+    scheme: str | None = None,
+    recipe: str | None = None,
+    corpus: str = "builtin",
+    calib_tokens: int = 4096,
+    context: int = 512,
+    calibration_mode: str = "onepass",
+    prefill_len: int | None = None,
+    batch_size: int = 8,
+    num_threads: int = 0,
+    force: bool = False,
+    progress: bool = True,
+) -> tuple[dict[str, Any], str]:
+    """Quantize ``model`` and write the artifact; returns (JSON result, recipe summary)."""
+    from npuq.models import load_model
+    from npuq.quant.artifact import check_destination, save_artifact, weights_sha256
+    from npuq.quant.pipeline import CALIBRATION_MODES, quantize_model
+    from npuq.quant.recipe import load_recipe
+
+    start = time.perf_counter()
+    if calibration_mode not in CALIBRATION_MODES:
+        raise NpuqError(f"unknown --calibration-mode {calibration_mode!r}; choose one of {', '.join(CALIBRATION_MODES)}")
+    check_destination(out, force)  # cheap checks first: the model takes seconds to load
+    chosen = load_recipe(recipe, scheme, model)
+    if calib_tokens < context:
+        raise NpuqError(f"--calib-tokens {calib_tokens} is less than one window of --context {context}: raise it or lower the context")
+    loaded = load_model(model, max_context=context if context > 4096 else None)
+    if context > loaded.config.max_position_embeddings:
+        raise NpuqError(f"--context {context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
+    tokens = corpus_tokens(loaded.tokenizer, corpus, calib_tokens)
+    plan = calibration_thread_plan(loaded.model, calibration_mode, context, num_threads)
+    qm = quantize_model(
+        loaded.model, chosen, tokens, context=context, mode=calibration_mode, prefill_len=prefill_len,
+        batch_size=batch_size, num_threads=plan.threads[plan_phase(calibration_mode)], progress=progress,
+    )
+    extra = {
+        "model": {"name": model, "source": loaded.source, "weights_sha256": weights_sha256(loaded.model)},
+        "calibration": {"corpus": corpus, "split": "calib", "tokens_requested": calib_tokens,
+                        "tokens": qm.stats["calibration_tokens"], "mode": calibration_mode,
+                        "batch_size": batch_size, "num_threads": num_threads, "thread_plan": plan.to_dict()},
+    }
+    path = save_artifact(qm, out, force=force, extra_config=extra)
+    result = {
+        key: qm.stats[key]
+        for key in ("scheme", "calibration_mode", "calibration_tokens", "calibration_seconds", "prepare_seconds",
+                    "convert_seconds")
+    }
+    result.update(total_seconds=time.perf_counter() - start, threads=qm.stats["threads"], artifact=str(path),
+                  recipe=chosen.name, context=context, prefill_len=qm.prefill_len)
+    return result, qm.plan.summary() if qm.plan is not None else ""

@@ -1,0 +1,152 @@
+"""The artifact folder: atomic, refused when it exists without --force, read back as a LogitsFn;
+and ``npuq quantize`` end to end on a tiny Hugging Face folder."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from npuq.calibrate.encodings import kv_io_qparams
+from npuq.cli import main
+from npuq.errors import NpuqError
+from npuq.models.tiny import tiny_decoder, tiny_hf_model
+from npuq.quant.artifact import load_artifact, save_artifact
+from npuq.quant.pipeline import quantize_model
+from npuq.quant.recipe import RECIPES
+
+CONTEXT = 16
+RESULT_KEYS = {"scheme", "calibration_mode", "calibration_tokens", "calibration_seconds", "prepare_seconds",
+               "convert_seconds", "total_seconds", "threads", "artifact"}
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    _, model = tiny_decoder("llama", seed=6, max_context=CONTEXT)
+    ids = torch.randint(3, model.config.vocab_size, (2 * CONTEXT,), generator=torch.Generator().manual_seed(0))
+    return quantize_model(model, RECIPES["16a8w"], ids, context=CONTEXT, prefill_len=4)
+
+
+def test_save_load_round_trip(tmp_path, quantized):
+    out = save_artifact(quantized, tmp_path / "art", extra_config={"note": "test"})
+    assert sorted(os.listdir(out)) == ["config.json", "decode.pt2", "encodings.json", "prefill.pt2"]
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]  # no temporary folder left behind
+    loaded = load_artifact(out)
+    tokens = torch.randint(3, quantized.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(loaded.logits(tokens), quantized.logits(tokens))
+    as_saved = load_artifact(out, fold_constants=False)  # weights dequantized at every call: same numbers
+    assert torch.equal(as_saved.logits(tokens), quantized.logits(tokens))
+    assert any(n.target == torch.ops.quantized_decomposed.dequantize_per_channel.default for n in as_saved.decode.graph.nodes)
+    assert not any(n.target == torch.ops.quantized_decomposed.dequantize_per_channel.default for n in loaded.decode.graph.nodes)
+    assert kv_io_qparams(loaded.decode, 2) == kv_io_qparams(quantized.decode, 2)
+    config = json.loads((out / "config.json").read_text())
+    assert config["note"] == "test" and config["context"] == CONTEXT
+    assert config["programs"]["prefill"]["ar_len"] == 4
+    assert {"npuq", "torch", "torchao"} <= set(config["versions"])
+    assert config["recipe"]["default"] == "16a8w" and config["recipe_plan"]
+
+
+def test_encodings_json_layout(tmp_path, quantized):
+    out = save_artifact(quantized, tmp_path / "art")
+    enc = json.loads((out / "encodings.json").read_text())
+    acts = {e["name"]: e for e in enc["activation_encodings"]}
+    params = {e["name"]: e for e in enc["param_encodings"]}
+    w = params["layers.0.self_attn.q_proj.weight"]
+    assert (w["dtype"], w["bw"], w["enc_type"], w["is_sym"], w["axis"]) == ("int8", 8, "PER_CHANNEL", True, 0)
+    assert len(w["scale"]) == 64 and set(w["offset"]) == {0}
+    assert all(abs(mx - 127 * s) < 1e-9 * max(1, mx) for mx, s in zip(w["max"], w["scale"]))
+    emb = acts["embedding"]
+    assert (emb["dtype"], emb["bw"], emb["is_sym"]) == ("uint16", 16, False)
+    # offset is the negated zero point: min = scale · offset, max = scale · (65535 + offset)
+    assert emb["min"][0] == pytest.approx(emb["scale"][0] * emb["offset"][0])
+    assert emb["max"][0] == pytest.approx(emb["scale"][0] * (65535 + emb["offset"][0]))
+    table = params["embed_tokens.weight"]
+    assert (table["scale"], table["offset"]) == (emb["scale"], emb["offset"])  # gather shares the table's encoding
+    matmul_inputs = [e for name, e in acts.items() if "->matmul" in name]
+    assert matmul_inputs and all(e["dtype"] == "int16" and set(e["offset"]) == {0} for e in matmul_inputs)
+
+
+def test_existing_folder_needs_force(tmp_path, quantized):
+    target = tmp_path / "art"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(NpuqError, match="already exists: pass --force"):
+        save_artifact(quantized, target)
+    assert (target / "old.txt").exists()
+    save_artifact(quantized, target, force=True)
+    assert not (target / "old.txt").exists() and (target / "decode.pt2").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]
+
+
+def test_load_rejects_non_artifacts(tmp_path):
+    with pytest.raises(NpuqError, match="not an npuq artifact"):
+        load_artifact(tmp_path)
+
+
+# --------------------------------------------------------------------------- CLI
+def _word_tokenizer(words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_hf_model("llama", seed=0).save_pretrained(folder, safe_serialization=True)
+    words = [f"w{i}" for i in range(200)]
+    _word_tokenizer(words).save_pretrained(folder)
+    text = folder.parent / "calib.txt"
+    g = torch.Generator().manual_seed(0)
+    text.write_text(" ".join(words[int(i)] for i in torch.randint(0, 200, (300,), generator=g)))
+    return folder, text
+
+
+def test_cli_quantize_end_to_end(tmp_path, hf_folder, capsys, monkeypatch):
+    monkeypatch.setenv("NPUQ_CACHE_DIR", str(tmp_path / "cache"))  # the thread tuner caches its result here
+    folder, text = hf_folder
+    out, result_file = tmp_path / "q", tmp_path / "r.json"
+    argv = ["quantize", "--model", str(folder), "--scheme", "16a4w", "--calib-corpus", f"file:{text}",
+            "--calib-tokens", "40", "--context", str(CONTEXT), "--out", str(out), "--json", str(result_file),
+            "--recipe-summary"]
+    assert main(argv) == 0
+    result = json.loads(result_file.read_text())
+    assert RESULT_KEYS <= set(result)
+    assert (result["scheme"], result["calibration_mode"], result["calibration_tokens"]) == ("16a4w", "onepass", 40)
+    assert "layers.1.mlp.down_proj" in capsys.readouterr().out  # the recipe summary
+    config = json.loads((out / "config.json").read_text())
+    assert len(config["model"]["weights_sha256"]) == 64 and config["calibration"]["corpus"] == f"file:{text}"
+    plan = config["calibration"]["thread_plan"]["calibrate"]  # --num-threads 0: measured for the calibrate phase
+    assert plan["source"] in ("auto", "cache") and plan["threads"] == result["threads"]
+    loaded = load_artifact(out)
+    logits = loaded.logits(torch.tensor([[1, 5, 9, 12]]))
+    assert logits.shape == (1, 4, 256) and torch.isfinite(logits).all()
+
+    # the same --out again: refused before any work, unless --force
+    assert main(argv) == 2
+    assert "already exists: pass --force" in capsys.readouterr().err
+
+
+def test_cli_bad_inputs(tmp_path, hf_folder, capsys):
+    folder, text = hf_folder
+    base = ["quantize", "--model", str(folder), "--calib-corpus", f"file:{text}", "--context", str(CONTEXT),
+            "--num-threads", "1"]
+    with pytest.raises(SystemExit) as exc:
+        main(base + ["--scheme", "4a4w", "--out", str(tmp_path / "a")])
+    assert exc.value.code == 2 and "invalid choice: '4a4w'" in capsys.readouterr().err
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"default": "16a8w", "rules": [{"path": "layers\\.\\d+\\.mlp\\.dwn_proj", "scheme": "16a4w"}]}))
+    assert main(base + ["--recipe", str(recipe), "--calib-tokens", "40", "--out", str(tmp_path / "b")]) == 2
+    assert "matches no layer of this model" in capsys.readouterr().err
+    assert main(base + ["--calib-tokens", "10", "--out", str(tmp_path / "c")]) == 2
+    assert "less than one window" in capsys.readouterr().err
+    short = tmp_path / "short.txt"
+    short.write_text("w1 w2 w3")
+    assert main(base[:4] + [f"file:{short}", "--context", str(CONTEXT), "--num-threads", "1", "--calib-tokens", "40",
+                            "--out", str(tmp_path / "d")]) == 2
+    assert "shorter than one window" in capsys.readouterr().err
+    assert not any((tmp_path / n).exists() for n in "abcd")

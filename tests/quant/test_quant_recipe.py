@@ -1,0 +1,103 @@
+"""Recipes: rules by op kind / module path with priorities, options, strict loading, summary."""
+
+import json
+
+import pytest
+
+from npuq.errors import NpuqError
+from npuq.quant.recipe import RECIPES, Recipe, Rule, default_recipe, load_recipe
+
+LAYERS = [
+    ("embed_tokens", "embedding"),
+    ("layers.0.self_attn.q_proj", "linear"),
+    ("layers.0.self_attn", "matmul"),
+    ("layers.0.mlp.down_proj", "linear"),
+    ("layers.1.mlp.down_proj", "linear"),
+    ("layers.10.mlp.down_proj", "linear"),
+    ("lm_head", "linear"),
+]
+
+
+def test_priority_then_order_decides():
+    r = Recipe("16a4w", (
+        Rule("16a8w", op="linear", path=r"layers\.\d+\.mlp\.down_proj"),
+        Rule("16a16w", path=r"layers\.1\.mlp\.down_proj", priority=5),
+        Rule("8a8w", op="linear", path=r"layers\.\d+\.mlp\.down_proj"),  # same priority, later: loses
+    ))
+    scheme, label = r.resolve("layers.0.mlp.down_proj", "linear")
+    assert (scheme.name, label) == ("16a8w", "rule 0")
+    assert r.resolve("layers.1.mlp.down_proj", "linear")[0].name == "16a16w"
+    # fullmatch: "layers.1" must not match "layers.10"
+    assert r.resolve("layers.10.mlp.down_proj", "linear")[1] == "rule 0"
+    assert r.resolve("layers.0.self_attn.q_proj", "linear") == (r.scheme, "default")
+
+
+def test_lm_head_option_beats_rules():
+    r = Recipe("16a4w", (Rule("8a8w", op="linear", priority=100),), lm_head="16a8w")
+    assert r.resolve("lm_head", "linear")[0].name == "16a8w"
+    assert r.resolve("layers.0.self_attn.q_proj", "linear")[0].name == "8a8w"
+
+
+def test_rule_matching_nothing_is_an_error_that_says_so():
+    r = Recipe("16a8w", (Rule("16a4w", op="linear", path=r"layers\.\d+\.mlp\.down_projection"),))
+    with pytest.raises(NpuqError, match=r"rule 0 .*down_projection.* matches no layer of this model"):
+        r.plan(LAYERS)
+
+
+def test_summary_lists_every_layer_and_its_rule():
+    plan = RECIPES["16a4w_mixed"].plan(LAYERS)
+    text = plan.summary()
+    for path, kind in LAYERS:
+        assert path in text
+    rows = {(a.path, a.kind): (a.rule, a.scheme) for a in plan.layers}
+    assert rows[("layers.0.mlp.down_proj", "linear")] == ("rule 0", "16a8w")
+    assert rows[("lm_head", "linear")] == ("option lm_head", "16a8w")
+    assert rows[("layers.0.self_attn.q_proj", "linear")] == ("default", "16a4w")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(default="16a8w", kv_bits=4), "kv_bits must be 8 or 16"),
+    (dict(default="8a8w", kv_bits=16), "exceeds the 8-bit activations"),
+    (dict(default="16a8w", embedding="pcq2"), "embedding 'pcq2' is unknown"),
+    (dict(default="16a9w"), "unknown scheme"),
+    (dict(default="16a8w", lm_head="nope"), "unknown scheme"),
+])
+def test_bad_options(kwargs, message):
+    with pytest.raises(NpuqError, match=message):
+        Recipe(**kwargs)
+
+
+@pytest.mark.parametrize("rule, message", [
+    (dict(scheme="16a8w"), "neither 'op' nor 'path'"),
+    (dict(scheme="16a8w", op="conv"), "not an op kind"),
+    (dict(scheme="16a8w", path="layers.(("), "not a valid regular expression"),
+])
+def test_bad_rules(rule, message):
+    with pytest.raises(NpuqError, match=message):
+        Rule(**rule)
+
+
+def test_json_recipe_round_trip_and_strict_keys(tmp_path):
+    r = RECIPES["16a4w_mixed"]
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(r.to_dict()))
+    loaded = load_recipe(str(path))
+    assert loaded.rules == r.rules and loaded.lm_head == r.lm_head and loaded.default == r.default
+    bad = tmp_path / "typo.json"
+    bad.write_text(json.dumps({"default": "16a8w", "rulez": []}))
+    with pytest.raises(NpuqError, match="unknown key.*rulez"):
+        load_recipe(str(bad))
+    bad.write_text(json.dumps({"default": "16a8w", "rules": [{"path": "lm_head", "schema": "16a4w"}]}))
+    with pytest.raises(NpuqError, match="unknown key.*schema"):
+        load_recipe(str(bad))
+    with pytest.raises(NpuqError, match="neither a built-in recipe"):
+        load_recipe(str(tmp_path / "missing.json"))
+
+
+def test_scheme_flag_replaces_the_default():
+    assert load_recipe(None, None, "smollm2-135m").default == "16a8w" == default_recipe("smollm2-135m").default
+    assert load_recipe(None, "16a4w").default == "16a4w"
+    mixed = load_recipe("16a4w_mixed", "16a16w")
+    assert mixed.default == "16a16w" and mixed.rules == RECIPES["16a4w_mixed"].rules
+    with pytest.raises(NpuqError, match="unknown scheme"):
+        load_recipe(None, "3a3w")
