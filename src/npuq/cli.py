@@ -172,6 +172,21 @@ def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# --------------------------------------------------------------------------- export
+def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
+    from npuq.lower.export import export_artifact
+
+    result = export_artifact(
+        args.artifact, args.out, qnn_version=args.qnn_version, htp_arch=args.htp_arch, soc=args.soc,
+        embedding_pattern=args.embedding_pattern, embedding_storage=args.embedding_storage, force=args.force,
+    )
+    qnn = f"QNN {result['qnn_version']} ({result['qnn_version_source']})" if result["qnn_version"] else "QNN version unknown"
+    arch = f"HTP v{result['htp_arch']}" if result["htp_arch"] else "HTP arch unknown"
+    print(f"{args.out}: decode.onnx, prefill.onnx, manifest.json for {qnn}, {arch}; "
+          f"embedding pattern {result['embedding_pattern']} [{result['seconds']:.1f} s]")
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="npuq",
@@ -272,6 +287,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads(p)
     _add_common(p)
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("export", help="lower a quantized artifact to QDQ ONNX for the QNN HTP (decode + prefill + manifest)",
+                       description="Lower the artifact's decode and prefill programs to opset-21 QDQ ONNX graphs "
+                                   "with static shapes and quantized KV-cache I/O, choosing patterns by the target "
+                                   "QNN SDK version and HTP architecture; write manifest.json beside them.")
+    p.add_argument("--artifact", required=True, metavar="DIR", help="folder written by 'npuq quantize --out'")
+    p.add_argument("--out", required=True, metavar="DIR", help="export folder to write (must not exist unless --force)")
+    p.add_argument("--qnn-version", metavar="X.Y[.Z]",
+                   help="target QNN SDK version (default: the build id of $QNN_SDK_ROOT/lib/x86_64-linux-clang/"
+                        "libQnnHtp.so, else the QNN bundled with onnxruntime-qnn, else unknown: patterns valid "
+                        "on every version)")
+    chip = p.add_mutually_exclusive_group()
+    chip.add_argument("--htp-arch", metavar="A", help="HTP architecture: 68, 69, 73, 75, 79 or 81 "
+                                                      "(16-bit x int16 attention MatMul needs 73+; default unknown: 8-bit)")
+    chip.add_argument("--soc", metavar="NAME", help="target chip, e.g. SM8650 (sets --htp-arch from a table of known chips)")
+    p.add_argument("--embedding-pattern", choices=("auto", "legacy", "optimized"), default="auto",
+                   help="per-channel embedding lowering: legacy (any SDK; rows re-rounded at the largest row "
+                        "scale), optimized (SDK >= 2.48; every row keeps its scale), auto = optimized when the SDK "
+                        "is known to be >= 2.48 (default: auto)")
+    p.add_argument("--embedding-storage", choices=("u16", "int8-rowscale"), default="u16",
+                   help="how the optimized pattern stores the table: u16 (re-encoded to the output encoding, "
+                        "2 bytes per element) or int8-rowscale (int8 codes + a gathered uint16 row-scale vector) "
+                        "(default: u16)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out folder (only once the new one is complete)")
+    _add_common(p)
+    p.set_defaults(func=cmd_export)
 
     return parser
 

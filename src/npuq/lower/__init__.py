@@ -1,0 +1,20 @@
+"""Lowering: converted PT2E programs → QDQ ONNX for the QNN HTP, patterns gated by the target.
+
+    target.py        QNN SDK version (flag, $QNN_SDK_ROOT build id, onnxruntime-qnn) and HTP arch
+    registry.py      builders keyed by op and minimum SDK / arch; picks the newest that applies
+    builders/        one module per op family (qdq, shape, elementwise, linear, matmul, embedding, norm)
+    encoding.py      encodings and their pure integer arithmetic
+    pcq.py           per-channel embedding patterns (legacy, optimized) in numpy
+    patterns.py      multi-node patterns lowered as one op (RMSNorm)
+    onnx_writer.py   walks the program, runs the builders, writes the graph
+    export.py        artifact → decode.onnx + prefill.onnx + manifest.json
+"""
+
+from npuq.lower.onnx_writer import IOSpec, LoweredGraph, UnsupportedOp, lower_program
+from npuq.lower.registry import LowerOptions, Unsupported, register, select
+from npuq.lower.target import QnnEnvironmentError, QnnVersion, Target, parse_version, resolve_target
+
+__all__ = [
+    "IOSpec", "LoweredGraph", "LowerOptions", "QnnEnvironmentError", "QnnVersion", "Target", "Unsupported",
+    "UnsupportedOp", "lower_program", "parse_version", "register", "resolve_target", "select",
+]

@@ -1,0 +1,237 @@
+"""``npuq export``: a quantized artifact → decode.onnx + prefill.onnx + manifest.json.
+
+    OUT/decode.onnx     AR-1 graph, opset 21 QDQ, static shapes, KV caches as quantized codes
+    OUT/prefill.onnx    AR-N graph, same encodings
+    OUT/manifest.json   I/O names, shapes, dtypes and encodings; context; target (QNN version
+                        and where it came from, HTP arch); the pattern chosen per embedding
+                        and every other lowering decision; the tokenizer reference
+
+Both graphs share their KV cache with the runner, so every cache input must carry the
+encoding of the matching new-entries output, in both graphs alike: checked here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from npuq.errors import NpuqError
+from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
+from npuq.lower.registry import LowerOptions
+from npuq.lower.target import Target, resolve_target
+
+
+EXPORT_FORMAT = "npuq-export/1"
+ARTIFACT_FORMAT = "npuq-quantized/1"  # what npuq.quant.artifact writes
+KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")
+PROTOBUF_LIMIT = 1_800_000_000  # bytes; larger models keep their weights in an external file
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """Graph input and output names, in the static decoder's order (REFERENCE.md §2)."""
+    inputs = ["tokens", "mask", "positions"] + [f"k_cache_{i}" for i in range(num_layers)] + \
+             [f"v_cache_{i}" for i in range(num_layers)]
+    outputs = ["logits"] + [f"k_new_{i}" for i in range(num_layers)] + [f"v_new_{i}" for i in range(num_layers)]
+    return inputs, outputs
+
+
+def is_kv(name: str) -> bool:
+    return name.startswith(KV_PREFIXES)
+
+
+def read_artifact(folder: str | os.PathLike) -> dict[str, Any]:
+    """The artifact's config.json, after checking it is a complete artifact of this format."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise NpuqError(f"--artifact {path}: no such folder; give the --out folder of 'npuq quantize'")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise NpuqError(f"--artifact {path}: no config.json, so not an npuq artifact; give the --out folder of 'npuq quantize'")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise NpuqError(f"--artifact {path}: config.json is not valid JSON ({exc}); quantize again") from None
+    fmt = config.get("format")
+    if fmt != ARTIFACT_FORMAT:
+        made_by = config.get("versions", {}).get("npuq", "an unknown version")
+        raise NpuqError(
+            f"--artifact {path}: format {fmt!r} written by npuq {made_by} is not {ARTIFACT_FORMAT!r}, "
+            "which this npuq reads; quantize the model again with this npuq"
+        )
+    for key in ("model_config", "context", "programs"):
+        if key not in config:
+            raise NpuqError(f"--artifact {path}: config.json lacks {key!r}; the artifact is incomplete, quantize again")
+    for kind in ("decode", "prefill"):
+        entry = config["programs"].get(kind)
+        if entry is None or not (path / entry["file"]).is_file():
+            missing = entry["file"] if entry else f"{kind} program"
+            raise NpuqError(f"--artifact {path}: {missing} is missing; the artifact is incomplete, quantize again")
+    return config
+
+
+def load_program(path: Path):
+    import torch
+    import torchao.quantization.pt2e  # noqa: F401  (registers the quantized_decomposed ops)
+
+    try:
+        return torch.export.load(path)
+    except Exception as exc:  # torch raises many types for a damaged or foreign file
+        raise NpuqError(f"{path}: cannot load the program ({type(exc).__name__}: {exc}); quantize again") from None
+
+
+def check_kv_encodings(graphs: dict[str, LoweredGraph]) -> None:
+    """Every cache input must have the encoding of its new-entries output, in every graph."""
+    reference: dict[str, tuple[str, Any]] = {}
+    for kind, g in graphs.items():
+        outs = {s.name: s for s in g.outputs}
+        for spec in g.inputs:
+            if not spec.name.startswith(("k_cache_", "v_cache_")):
+                continue
+            new = outs.get(spec.name.replace("_cache_", "_new_"))
+            if spec.encoding is None or new is None or new.encoding is None:
+                raise NpuqError(
+                    f"{kind}: {spec.name} or its new-entries output is not quantized; the artifact's "
+                    "quantizer must quantize the KV cache (quantize again)"
+                )
+            if not spec.encoding.same_as(new.encoding):
+                raise NpuqError(
+                    f"{kind}: {spec.name} and {new.name} have different encodings, so the runner could not copy "
+                    "new entries into the cache; quantize again with KV encodings shared"
+                )
+            key = spec.name
+            if key in reference and not reference[key][1].same_as(spec.encoding):
+                raise NpuqError(
+                    f"{spec.name} differs between the {reference[key][0]} and {kind} graphs; they share one "
+                    "cache, so quantize again (decode and prefill must share encodings)"
+                )
+            reference.setdefault(key, (kind, spec.encoding))
+
+
+def _save(model: onnx.ModelProto, path: Path) -> list[str]:
+    if model.ByteSize() < PROTOBUF_LIMIT:
+        onnx.save(model, path)
+        return [path.name]
+    data = path.name + ".data"
+    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
+    return [path.name, data]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _embedding_summary(notes_by_graph: dict[str, list]) -> tuple[str, dict[str, dict]]:
+    per_node: dict[str, dict] = {}
+    for notes in notes_by_graph.values():
+        for n in notes:
+            if n.kind == "embedding_pattern":
+                per_node[n.node] = dict(n.detail)
+    patterns = sorted({d["pattern"] for d in per_node.values()})
+    return (patterns[0] if len(patterns) == 1 else ",".join(patterns)) if patterns else "plain", per_node
+
+
+def export_artifact(
+    artifact: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    qnn_version: str | None = None,
+    htp_arch: int | str | None = None,
+    soc: str | None = None,
+    embedding_pattern: str = "auto",
+    embedding_storage: str = "u16",
+    force: bool = False,
+    target: Target | None = None,
+) -> dict[str, Any]:
+    """Lower both programs of ``artifact`` and write the export folder ``out`` atomically."""
+    from npuq import __version__
+
+    start = time.perf_counter()
+    options = LowerOptions(embedding_pattern, embedding_storage)  # validates before any work
+    out = Path(out)
+    if out.exists() and not force:
+        raise NpuqError(f"{out} already exists: pass --force to replace it, or choose another --out")
+    if target is None:  # flags first: a typo fails before any file is read
+        target = resolve_target(qnn_version, htp_arch, soc)
+    config = read_artifact(artifact)
+    from npuq.models.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(config["model_config"])
+    in_names, out_names = io_names(cfg.num_layers)
+
+    lowered: dict[str, LoweredGraph] = {}
+    for kind in ("decode", "prefill"):
+        program = load_program(Path(artifact) / config["programs"][kind]["file"])
+        lowered[kind] = lower_program(program, target, options, in_names, out_names, is_kv,
+                                      graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
+    check_kv_encodings(lowered)
+    log_notes_once([n for g in lowered.values() for n in g.notes])
+
+    pattern, per_node = _embedding_summary({k: g.notes for k, g in lowered.items()})
+    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        files: dict[str, str] = {}
+        graphs_json: dict[str, Any] = {}
+        for kind, g in lowered.items():
+            written = _save(g.model, tmp / f"{kind}.onnx")
+            files[kind] = str(out / written[0])
+            graphs_json[kind] = {
+                "file": written[0],
+                "external_data": written[1] if len(written) > 1 else None,
+                "sha256": _sha256(tmp / written[0]),
+                "ar_len": int(config["programs"][kind]["ar_len"]),
+                "inputs": [s.to_json() for s in g.inputs],
+                "outputs": [s.to_json() for s in g.outputs],
+                "builders": g.builders,
+                "notes": [{"kind": n.kind, "node": n.node, **n.detail} for n in g.notes if n.kind != "embedding_pattern"],
+            }
+        model_info = config.get("model", {})
+        manifest = {
+            "format": EXPORT_FORMAT,
+            "npuq_version": __version__,
+            "artifact": {"path": str(Path(artifact).resolve()), "format": config["format"],
+                         "npuq_version": config.get("versions", {}).get("npuq")},
+            "model_config": config["model_config"],
+            "context": int(config["context"]),
+            "tokenizer": {"model": model_info.get("name"), "source": model_info.get("source")},
+            "target": {
+                "qnn_version": str(target.qnn_version) if target.qnn_version else None,
+                "qnn_version_source": target.qnn_version_source,
+                "htp_arch": target.htp_arch,
+                "soc": target.soc,
+            },
+            "opset": 21,
+            "kv_cache": "quantized codes: copy k_new_i / v_new_i outputs into k_cache_i / v_cache_i as they are",
+            "embedding_pattern": pattern,
+            "embeddings": per_node,
+            "options": {"embedding_pattern": embedding_pattern, "embedding_storage": embedding_storage},
+            "graphs": graphs_json,
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        files["manifest"] = str(out / "manifest.json")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {
+        "qnn_version": manifest["target"]["qnn_version"],
+        "qnn_version_source": target.qnn_version_source,
+        "htp_arch": target.htp_arch,
+        "embedding_pattern": pattern,
+        "files": files,
+        "seconds": time.perf_counter() - start,
+    }

@@ -1,0 +1,201 @@
+"""Run exported QDQ ONNX graphs with ONNX Runtime: exactly on the CPU, or on the QNN HTP
+backend (in CPU emulation on x86-64 hosts, on the NPU on a device).
+
+- :func:`cpu_session` disables graph optimizations: the default CPU provider rewrites int8
+  per-channel MatMul into an int8-activation kernel, while the unoptimized graph computes
+  QDQ semantics exactly (REFERENCE.md §9).
+- :func:`htp_session` registers the onnxruntime-qnn plugin, points it at its HTP backend
+  library and disables CPU fallback, so session creation proves the whole graph runs on the
+  HTP. ``htp_arch`` must be the target chip's (v73+ for 16-bit × int16 MatMul).
+- :class:`OrtGraph` is a graph callable for :class:`npuq.runtime.runner.StaticRunner`: it
+  feeds KV caches as quantized codes and returns the new entries as codes, the way a device
+  runner copies them, plus dequantized logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from npuq.errors import NpuqError
+
+DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
+PROVIDERS = ("cpu", "htp")
+_registered = False
+
+
+def _ort():
+    import onnxruntime
+
+    return onnxruntime
+
+
+def _model_arg(model) -> str | bytes:
+    if isinstance(model, (str, os.PathLike)):
+        return str(model)
+    return model.SerializeToString()
+
+
+def cpu_session(model, threads: int = 1):
+    """An exact QDQ session on the CPU provider (graph optimizations disabled)."""
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    return ort.InferenceSession(_model_arg(model), so, providers=["CPUExecutionProvider"])
+
+
+def qnn_available() -> str | None:
+    """None when the QNN HTP backend can be used, else the reason it cannot."""
+    try:
+        import onnxruntime_qnn  # noqa: F401
+    except ImportError:
+        return "onnxruntime-qnn is not installed (pip install onnxruntime-qnn)"
+    return None
+
+
+def register_qnn():
+    """Register the onnxruntime-qnn plugin once per process; returns the module."""
+    global _registered
+    reason = qnn_available()
+    if reason:
+        raise NpuqError(f"cannot use the QNN HTP backend: {reason}")
+    import onnxruntime_qnn
+
+    if not _registered:
+        _ort().register_execution_provider_library(onnxruntime_qnn.EP_NAME, onnxruntime_qnn.get_library_path())
+        _registered = True
+    return onnxruntime_qnn
+
+
+def htp_options(htp_arch: int | None = None, soc_model: int | None = None) -> dict[str, str]:
+    qnn = register_qnn()
+    options = {"backend_path": qnn.get_qnn_htp_path()}
+    if htp_arch is not None:
+        options["htp_arch"] = str(htp_arch)
+    if soc_model is not None:
+        options["soc_model"] = str(soc_model)
+    return options
+
+
+def htp_session(model, htp_arch: int | None = None, log_level: int = 3):
+    """A session on the QNN HTP backend with CPU fallback disabled: creation fails unless
+    every node runs on the HTP."""
+    ort = _ort()
+    qnn = register_qnn()
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == qnn.EP_NAME]
+    if not devices:
+        raise NpuqError("the QNN execution provider registered no device; is onnxruntime-qnn built for this platform?")
+    so = ort.SessionOptions()
+    so.add_session_config_entry(DISABLE_CPU_FALLBACK, "1")
+    so.log_severity_level = log_level
+    so.add_provider_for_devices(devices, htp_options(htp_arch))
+    try:
+        return ort.InferenceSession(_model_arg(model), so)
+    except Exception as exc:  # ORT raises its own exception types
+        raise NpuqError(f"the QNN HTP backend rejected the graph (htp_arch={htp_arch}): {exc}") from exc
+
+
+_UNIT = re.compile(r"Validation PASSED for (\d+) nodes in OrtNodeUnit \((\w+)\)")
+
+
+def htp_node_units(model_path: str | os.PathLike, htp_arch: int | None = None, timeout: float = 300) -> Counter:
+    """Count the QNN EP's node units by (size, op type) from its verbose log.
+
+    Runs in a subprocess because the log goes to the process's stderr. A compute op in a
+    unit of one node ran in float, not quantized (REFERENCE.md §9); Q/DQ units of one node
+    are the graph's float I/O conversions.
+    """
+    code = (
+        "import sys; from npuq.runtime.ort import htp_session; "
+        f"htp_session(sys.argv[1], {htp_arch!r}, log_level=0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise NpuqError(f"HTP session failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+    return Counter((int(n), op) for n, op in _UNIT.findall(proc.stdout + proc.stderr))
+
+
+def float_compute_units(units: Counter) -> list[str]:
+    """Op types that ran unquantized on the HTP (single-node units other than Q/DQ)."""
+    return sorted({op for (n, op) in units if n == 1 and op not in ("QuantizeLinear", "DequantizeLinear")})
+
+
+# --------------------------------------------------------------------------- graph callables
+def _quantize(x: np.ndarray, enc: dict) -> np.ndarray:
+    scale = np.float32(enc["scale"])
+    q = np.rint(np.asarray(x, np.float32) / scale) + enc["zero_point"]
+    return np.clip(q, enc["qmin"], enc["qmax"]).astype(enc["dtype"])
+
+
+def _dequantize(q: np.ndarray, enc: dict) -> np.ndarray:
+    return ((q.astype(np.int64) - enc["zero_point"]) * np.float64(enc["scale"])).astype(np.float32)
+
+
+class OrtGraph:
+    """One exported graph as a callable taking and returning torch tensors.
+
+    ``io`` is the graph's entry of manifest.json (inputs/outputs with names, shapes, dtypes
+    and encodings). KV-cache inputs holding quantized codes are passed as codes in any
+    tensor dtype (a float32 buffer holds uint16 codes exactly) and come back as int32 codes;
+    float inputs that the graph takes quantized are quantized here, and quantized outputs
+    other than the caches (e.g. logits) are dequantized.
+    """
+
+    def __init__(self, session, io: dict[str, Any], cache_prefixes: Sequence[str] = ("k_cache", "v_cache", "k_new", "v_new")):
+        self.session = session
+        self.inputs = io["inputs"]
+        self.outputs = io["outputs"]
+        self._codes = {s["name"] for s in self.inputs + self.outputs if s["name"].startswith(tuple(cache_prefixes))}
+
+    def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
+        if len(args) != len(self.inputs):
+            raise NpuqError(f"graph takes {len(self.inputs)} inputs, got {len(args)}")
+        feeds = {}
+        for spec, arg in zip(self.inputs, args):
+            a = arg.detach().cpu().numpy()
+            enc = spec.get("encoding")
+            if enc is None:
+                feeds[spec["name"]] = a.astype(spec["dtype"])
+            elif spec["name"] in self._codes:
+                feeds[spec["name"]] = np.clip(np.rint(a), enc["qmin"], enc["qmax"]).astype(spec["dtype"])
+            else:
+                feeds[spec["name"]] = _quantize(a, enc)
+        results = self.session.run([s["name"] for s in self.outputs], feeds)
+        out = []
+        for spec, r in zip(self.outputs, results):
+            enc = spec.get("encoding")
+            if enc is not None and spec["name"] not in self._codes:
+                r = _dequantize(r, enc)
+            elif enc is not None:
+                r = r.astype(np.int32)
+            out.append(torch.from_numpy(np.ascontiguousarray(r)))
+        return out
+
+
+def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[dict, dict[int, OrtGraph]]:
+    """(manifest, {ar_len: graph}) for a folder written by ``npuq export``."""
+    folder = Path(folder)
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.is_file():
+        raise NpuqError(f"{folder}: no manifest.json; is this an `npuq export` folder?")
+    manifest = json.loads(manifest_path.read_text())
+    if provider not in PROVIDERS:
+        raise NpuqError(f"unknown provider {provider!r}; choose {', '.join(PROVIDERS)}")
+    arch = htp_arch if htp_arch is not None else manifest.get("target", {}).get("htp_arch")
+    graphs = {}
+    for entry in manifest["graphs"].values():
+        path = folder / entry["file"]
+        session = cpu_session(path) if provider == "cpu" else htp_session(path, arch)
+        graphs[int(entry["ar_len"])] = OrtGraph(session, entry)
+    return manifest, graphs

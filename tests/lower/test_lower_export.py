@@ -1,0 +1,218 @@
+"""``npuq export`` on artifacts written by npuq's own quantizer: files, manifest, the ORT runner
+against the artifact's PT2E programs, and the bad inputs a user can give."""
+
+import dataclasses
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from npuq.cli import main
+from npuq.errors import NpuqError
+from npuq.lower import target as target_mod
+from npuq.lower.export import export_artifact
+from npuq.runtime.ort import load_export, qnn_available
+from npuq.runtime.runner import StaticRunner
+
+CONTEXT, PREFILL = 16, 4
+
+
+def _quantize(tmp_path_factory, name, scheme, embedding=None):
+    from npuq.models.tiny import tiny_decoder
+    from npuq.quant.artifact import save_artifact
+    from npuq.quant.pipeline import quantize_model
+    from npuq.quant.recipe import load_recipe
+
+    _, model = tiny_decoder(name, max_context=CONTEXT)
+    recipe = load_recipe(None, scheme)
+    if embedding is not None:
+        recipe = dataclasses.replace(recipe, embedding=embedding)
+    tokens = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    qm = quantize_model(model, recipe, tokens, context=CONTEXT, prefill_len=PREFILL)
+    return save_artifact(qm, tmp_path_factory.mktemp("artifact") / name)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return _quantize(tmp_path_factory, "llama", "16a8w")
+
+
+@pytest.fixture(scope="module")
+def pcq_artifact(tmp_path_factory):
+    return _quantize(tmp_path_factory, "qwen2", "16a4w_block", embedding="pcq8")
+
+
+@pytest.fixture(scope="module")
+def exported(artifact, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "out"
+    return export_artifact(artifact, out, qnn_version="2.51", htp_arch=73), out
+
+
+def test_files_and_json(exported):
+    result, out = exported
+    assert {"qnn_version", "qnn_version_source", "embedding_pattern", "files"} <= set(result)
+    assert result["qnn_version"] == "2.51.0" and result["qnn_version_source"] == "--qnn-version"
+    assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx"]
+    assert result["embedding_pattern"] == "plain"  # a shared (per-tensor) table: a plain Gather
+
+
+def test_manifest(exported, artifact):
+    _, out = exported
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["format"] == "npuq-export/1" and m["context"] == CONTEXT
+    assert m["target"] == {"qnn_version": "2.51.0", "qnn_version_source": "--qnn-version", "htp_arch": 73, "soc": None}
+    assert set(m["tokenizer"]) == {"model", "source"}
+    assert {k: g["ar_len"] for k, g in m["graphs"].items()} == {"decode": 1, "prefill": PREFILL}
+    dec = m["graphs"]["decode"]
+    names = [s["name"] for s in dec["inputs"]]
+    assert names[:3] == ["tokens", "mask", "positions"] and names[3] == "k_cache_0"
+    enc = {s["name"]: s.get("encoding") for g in m["graphs"].values() for s in g["inputs"] + g["outputs"]}
+    assert enc["k_cache_0"]["dtype"] == "uint16" and enc["k_cache_0"] == enc["k_new_0"]
+    assert enc["mask"] is None and enc["logits"] is None
+    assert any(n["kind"] == "matmul_second_input" for n in dec["notes"])
+
+
+def _tokens(n=11):
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("provider", ["cpu", "htp"])
+def test_runner_matches_artifact(exported, artifact, provider):
+    """Prefill chunks and decode steps through the ORT graphs with quantized KV caches, against
+    the artifact's PT2E programs through the same runner. Bound: 1 % of the largest logit
+    (measured 0.05 % on the CPU, 0.2 % on the HTP)."""
+    if provider == "htp" and qnn_available():
+        pytest.skip(qnn_available())
+    from npuq.quant.artifact import load_artifact
+
+    _, out = exported
+    manifest, graphs = load_export(out, provider)
+    from npuq.models.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(manifest["model_config"])
+    tokens = _tokens()
+    ref = load_artifact(artifact).logits(tokens)
+    got = StaticRunner(cfg, graphs, manifest["context"]).feed(tokens[0].tolist())
+    assert got.shape == ref.shape
+    assert float((got - ref).abs().max()) < 0.01 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("version, pattern", [("2.51", "optimized"), ("2.37", "legacy")])
+def test_pcq_embedding_pattern_follows_version(pcq_artifact, tmp_path, version, pattern):
+    result = export_artifact(pcq_artifact, tmp_path / "out", qnn_version=version, soc="SM8650")
+    assert result["embedding_pattern"] == pattern and result["htp_arch"] == 75
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert [d["pattern"] for d in m["embeddings"].values()] == [pattern]
+
+
+def test_lpbq_and_pcq_run_on_htp(pcq_artifact, tmp_path):
+    if qnn_available():
+        pytest.skip(qnn_available())
+    export_artifact(pcq_artifact, tmp_path / "out", qnn_version="2.51", htp_arch=73)
+    from npuq.quant.artifact import load_artifact
+
+    manifest, graphs = load_export(tmp_path / "out", "htp")
+    from npuq.models.config import ModelConfig
+
+    tokens = _tokens(7)
+    ref = load_artifact(pcq_artifact).logits(tokens)
+    got = StaticRunner(ModelConfig.from_dict(manifest["model_config"]), graphs, CONTEXT).feed(tokens[0].tolist())
+    assert float((got - ref).abs().max()) < 0.02 * float(ref.abs().max())
+
+
+def test_unknown_version_warns_once_and_uses_legacy(pcq_artifact, tmp_path, monkeypatch, caplog):
+    """QNN_SDK_ROOT unset and no onnxruntime-qnn: legacy pattern and exactly one warning (the
+    published helper raised a TypeError instead)."""
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    monkeypatch.setattr(target_mod, "installed_ort_qnn_version", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="npuq.lower"):
+        result = export_artifact(pcq_artifact, tmp_path / "out", htp_arch=73)
+    assert result["qnn_version"] is None and result["embedding_pattern"] == "legacy"
+    version_warnings = [r for r in caplog.records if "QNN SDK version unknown" in r.getMessage()]
+    assert len(version_warnings) == 1
+
+
+def test_unknown_arch_warns_once_for_both_graphs(artifact, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="npuq.lower"):
+        export_artifact(artifact, tmp_path / "out", qnn_version="2.51")
+    assert len([r for r in caplog.records if "8 bits" in r.getMessage()]) == 1
+
+
+# --------------------------------------------------------------------------- bad input
+def _copy(artifact, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(artifact, dst)
+    return dst
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(NpuqError, match="no such folder"):
+        export_artifact(tmp_path / "nope", tmp_path / "out", qnn_version="2.51")
+
+
+def test_not_an_artifact(tmp_path):
+    (tmp_path / "a").mkdir()
+    with pytest.raises(NpuqError, match="no config.json"):
+        export_artifact(tmp_path / "a", tmp_path / "out", qnn_version="2.51")
+
+
+def test_artifact_of_another_version(artifact, tmp_path):
+    dst = _copy(artifact, tmp_path)
+    config = json.loads((dst / "config.json").read_text())
+    config["format"], config["versions"]["npuq"] = "npuq-quantized/0", "0.0.1"
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NpuqError, match=r"format 'npuq-quantized/0' written by npuq 0.0.1 .* quantize the model again"):
+        export_artifact(dst, tmp_path / "out", qnn_version="2.51")
+
+
+def test_missing_program(artifact, tmp_path):
+    dst = _copy(artifact, tmp_path)
+    (dst / "prefill.pt2").unlink()
+    with pytest.raises(NpuqError, match="prefill.pt2 is missing"):
+        export_artifact(dst, tmp_path / "out", qnn_version="2.51")
+
+
+def test_existing_out_needs_force(exported, artifact):
+    _, out = exported
+    with pytest.raises(NpuqError, match="already exists: pass --force"):
+        export_artifact(artifact, out, qnn_version="2.51")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--qnn-version", "2.x"], "cannot read QNN version '2.x'"),
+    (["--soc", "SM0000"], "unknown chip 'SM0000'; known chips: .*SM8650 \\(v75\\)"),
+    (["--htp-arch", "72"], "unknown HTP architecture '72'; known: 68, 69, 73, 75, 79, 81"),
+])
+def test_cli_bad_flags(artifact, tmp_path, capsys, flags, message):
+    assert main(["export", "--artifact", str(artifact), "--out", str(tmp_path / "o"), *flags]) == 2
+    import re
+
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_json(artifact, tmp_path, capsys):
+    code = main(["export", "--artifact", str(artifact), "--out", str(tmp_path / "o"), "--qnn-version", "2.51",
+                 "--htp-arch", "73", "--json", str(tmp_path / "r.json")])
+    assert code == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["qnn_version"] == "2.51.0" and set(result["files"]) == {"decode", "prefill", "manifest"}
+
+
+def test_kv_encoding_mismatch_is_refused():
+    from npuq.lower.encoding import Encoding
+    from npuq.lower.export import check_kv_encodings
+    from npuq.lower.onnx_writer import IOSpec, LoweredGraph
+
+    a = Encoding.per_tensor(1e-3, 100, 0, 65535)
+    b = Encoding.per_tensor(2e-3, 100, 0, 65535)
+
+    def graph(cache, new):
+        return LoweredGraph(None, [IOSpec("k_cache_0", (1,), "uint16", cache)], [IOSpec("k_new_0", (1,), "uint16", new)])
+
+    with pytest.raises(NpuqError, match="k_cache_0 and k_new_0 have different encodings"):
+        check_kv_encodings({"decode": graph(a, b)})
+    with pytest.raises(NpuqError, match="differs between the decode and prefill graphs"):
+        check_kv_encodings({"decode": graph(a, a), "prefill": graph(b, b)})
+    check_kv_encodings({"decode": graph(a, a), "prefill": graph(a, a)})
