@@ -159,7 +159,8 @@ def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
         args.model, args.out, scheme=args.scheme, recipe=args.recipe, corpus=args.calib_corpus,
         calib_tokens=args.calib_tokens, context=args.context, calibration_mode=args.calibration_mode,
         prefill_len=args.prefill_len, batch_size=args.batch_size, num_threads=args.num_threads,
-        force=args.force, progress=True,
+        force=args.force, progress=True, seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity,
+        weight_rounding=args.weight_rounding,
     )
     if args.recipe_summary:
         print(summary)
@@ -281,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefill (fast); sequential: the decode graph token by token (the published reference, slow)")
     p.add_argument("--batch-size", type=_pos_int, default=8, metavar="N",
                    help="windows per one-pass calibration forward (default 8)")
+    p.add_argument("--seq-mse", type=int, default=None, metavar="N",
+                   help="search N candidate scales per weight (coarse grid, then a fine grid around the best) "
+                        "minimising the layer's output error on the calibration text; the published default is 50 "
+                        "(default: off, min/max scales)")
+    p.add_argument("--seq-mse-granularity", choices=("channel", "layer"), default="channel",
+                   help="one scale multiplier per output channel (default) or one per layer (the published method)")
+    p.add_argument("--weight-rounding", choices=("nearest", "gptq"), default="nearest",
+                   help="round weights to the nearest code, or with GPTQ's error compensation (same int format)")
     p.add_argument("--recipe-summary", action="store_true", help="print which rule and scheme each layer got")
     p.add_argument("--out", required=True, metavar="DIR", help="artifact folder to write (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace an existing --out folder (only once the new one is complete)")

@@ -154,6 +154,29 @@ class LpbqPerChannelObserver(PerChannelWeightObserver):
         graph.erase_node(observer_node)
 
 
+def pin_weight_scales(gm: torch.fx.GraphModule, scales: dict[str, torch.Tensor]) -> None:
+    """Give the per-channel weight observers of the named linear layers precomputed scales.
+
+    SeqMSE and GPTQ (npuq.optimize) choose each layer's scales (O,) and write weights that lie on
+    that grid; setting the observer's range to ∓scale·qmax makes ``calculate_qparams`` return
+    exactly those scales, and an observer that holds a range never looks at the weight again.
+    """
+    pinned = set()
+    for module in gm.modules():
+        if type(module) is not PerChannelWeightObserver:
+            continue
+        for label in getattr(module, "observed", []):
+            path = label.removesuffix(".weight")
+            if path in scales:
+                limit = scales[path].detach().float() * float(module.quant_max)  # (O,)
+                module.min_val.resize_(limit.shape).copy_(-limit)
+                module.max_val.resize_(limit.shape).copy_(limit)
+                pinned.add(path)
+    missing = sorted(set(scales) - pinned)
+    if missing:
+        raise ValueError(f"no per-channel weight observer for {', '.join(missing[:3])}")
+
+
 def is_observer(module: torch.nn.Module) -> bool:
     return isinstance(module, ObserverBase)
 

@@ -29,7 +29,7 @@ from npuq.calibrate.transfer import copy_observer_state
 from npuq.calibrate.windows import CalibrationWindows, split_windows
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
-from npuq.quant.observers import name_observers
+from npuq.quant.observers import name_observers, pin_weight_scales
 from npuq.quant.quantizer import HtpQuantizer
 from npuq.quant.recipe import Recipe, RecipePlan
 from npuq.runtime.runner import StaticRunner
@@ -77,11 +77,20 @@ def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens:
     return torch.cat(rows, dim=0)
 
 
-def prepare_graph(model: torch.nn.Module, recipe: Recipe, mode: str, context: int, ar_len: int | None = None) -> tuple[GraphModule, HtpQuantizer]:
-    """Export one graph and insert observers (and record which tensors each observer watches)."""
+def prepare_graph(
+    model: torch.nn.Module, recipe: Recipe, mode: str, context: int, ar_len: int | None = None,
+    weight_scales: dict[str, torch.Tensor] | None = None,
+) -> tuple[GraphModule, HtpQuantizer]:
+    """Export one graph and insert observers (and record which tensors each observer watches).
+
+    ``weight_scales`` (linear module path → (O,) scales from SeqMSE/GPTQ) pin those weight
+    encodings instead of observing min/max.
+    """
     quantizer = HtpQuantizer(recipe, model.config.num_layers)
     prepared = prepare_pt2e(export_graph(model, mode, context, ar_len), quantizer)
     name_observers(prepared)
+    if weight_scales:
+        pin_weight_scales(prepared, weight_scales)
     return prepared, quantizer
 
 
@@ -96,11 +105,12 @@ def quantize_model(
     batch_size: int = 8,
     num_threads: int = 0,
     progress: bool = False,
+    weight_scales: dict[str, torch.Tensor] | None = None,
 ) -> QuantizedModel:
     """Quantize a StaticDecoder with ``recipe``, calibrated on ``tokens`` (see module docstring).
 
     ``num_threads`` > 0 runs calibration at that many torch threads (restored afterwards);
-    0 keeps the current count. ``stats`` of the result holds the timings and counts the CLI
+    0 keeps the current count. ``weight_scales``: see :func:`prepare_graph`. ``stats`` of the result holds the timings and counts the CLI
     reports.
     """
     if mode not in CALIBRATION_MODES:
@@ -114,9 +124,9 @@ def quantize_model(
     cfg = model.config
     start = time.perf_counter()
 
-    decode, quantizer = prepare_graph(model, recipe, "decode", context)
-    prefill, _ = prepare_graph(model, recipe, "prefill", context, prefill_len)
-    calib = prepare_graph(model, recipe, "calibrate", context)[0] if mode == "onepass" else None
+    decode, quantizer = prepare_graph(model, recipe, "decode", context, weight_scales=weight_scales)
+    prefill, _ = prepare_graph(model, recipe, "prefill", context, prefill_len, weight_scales)
+    calib = prepare_graph(model, recipe, "calibrate", context, weight_scales=weight_scales)[0] if mode == "onepass" else None
     prepared_at = time.perf_counter()
 
     bar = _progress_bar(windows.tokens, f"calibrating ({mode})") if progress else None

@@ -41,6 +41,54 @@ def calibration_thread_plan(model: Any, calibration_mode: str, context: int, num
     return plan
 
 
+def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
+    """WeightSpec of every linear layer under ``recipe`` (module path → bits, block size)."""
+    import torch
+
+    from npuq.optimize.driver import WeightSpec
+    from npuq.quant.schemes import PerBlock
+
+    specs = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        scheme = recipe.resolve(path, "linear")[0]
+        if isinstance(scheme.weight.granularity, PerBlock):
+            raise NpuqError(
+                f"--seq-mse / --weight-rounding gptq do not apply to {path}, quantized {scheme.name} (LPBQ "
+                "block scales are derived from the weights by the backend's rule): use 16a4w, or plain "
+                "min/max and nearest rounding for 16a4w_block"
+            )
+        specs[path] = WeightSpec(bits=scheme.weight.bits)
+    return specs
+
+
+def optimize_for_recipe(
+    model: Any, recipe: Any, windows: Any, *, seq_mse: int | None, granularity: str, rounding: str, progress: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """SeqMSE and/or GPTQ on every linear layer of the float ``model`` (weights rewritten in
+    place on the chosen grid). Returns (module path → (O,) scales to pin, JSON summary)."""
+    from npuq.optimize.driver import optimize_weights
+
+    if seq_mse is not None and seq_mse < 1:
+        raise NpuqError(f"--seq-mse {seq_mse}: the number of candidate scales must be at least 1 (the published default is 50)")
+    specs = linear_weight_specs(model, recipe)
+    rows = [row.unsqueeze(0) for row in windows.rows()]
+    results, timings = optimize_weights(model, rows, specs, seq_mse=seq_mse, granularity=granularity,
+                                        rounding=rounding, progress=progress)
+    before = sum(r.loss_minmax for r in results.values())
+    after = sum(r.loss for r in results.values())
+    summary = {
+        "seq_mse": {"candidates": seq_mse, "granularity": granularity if seq_mse else None,
+                    "seconds": timings["seq_mse_seconds"]},
+        "weight_rounding": {"method": rounding, "seconds": timings["rounding_seconds"]},
+        "gram_seconds": timings["collect_seconds"],
+        "layers": len(results),
+        "output_error_reduction": 1 - after / before if before > 0 else 0.0,
+    }
+    return {name: r.scale for name, r in results.items()}, summary
+
+
 def quantize_to_artifact(
     model: str,
     out: str,
@@ -56,8 +104,15 @@ def quantize_to_artifact(
     num_threads: int = 0,
     force: bool = False,
     progress: bool = True,
+    seq_mse: int | None = None,
+    seq_mse_granularity: str = "channel",
+    weight_rounding: str = "nearest",
 ) -> tuple[dict[str, Any], str]:
-    """Quantize ``model`` and write the artifact; returns (JSON result, recipe summary)."""
+    """Quantize ``model`` and write the artifact; returns (JSON result, recipe summary).
+
+    ``seq_mse`` N searches N candidate weight scales per layer (npuq.optimize.seqmse);
+    ``weight_rounding`` "gptq" rounds with error compensation instead of to nearest.
+    """
     from npuq.models import load_model
     from npuq.quant.artifact import check_destination, save_artifact, weights_sha256
     from npuq.quant.pipeline import CALIBRATION_MODES, quantize_model
@@ -75,15 +130,26 @@ def quantize_to_artifact(
         raise NpuqError(f"--context {context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
     tokens = corpus_tokens(loaded.tokenizer, corpus, calib_tokens)
     plan = calibration_thread_plan(loaded.model, calibration_mode, context, num_threads)
+    weight_scales, optimized = None, None
+    if seq_mse is not None or weight_rounding != "nearest":
+        from npuq.calibrate.windows import split_windows
+
+        with plan.scope(plan_phase(calibration_mode)):
+            weight_scales, optimized = optimize_for_recipe(
+                loaded.model, chosen, split_windows(tokens, context), seq_mse=seq_mse,
+                granularity=seq_mse_granularity, rounding=weight_rounding, progress=progress,
+            )
     qm = quantize_model(
         loaded.model, chosen, tokens, context=context, mode=calibration_mode, prefill_len=prefill_len,
         batch_size=batch_size, num_threads=plan.threads[plan_phase(calibration_mode)], progress=progress,
+        weight_scales=weight_scales,
     )
     extra = {
         "model": {"name": model, "source": loaded.source, "weights_sha256": weights_sha256(loaded.model)},
         "calibration": {"corpus": corpus, "split": "calib", "tokens_requested": calib_tokens,
                         "tokens": qm.stats["calibration_tokens"], "mode": calibration_mode,
                         "batch_size": batch_size, "num_threads": num_threads, "thread_plan": plan.to_dict()},
+        "optimize": optimized,
     }
     path = save_artifact(qm, out, force=force, extra_config=extra)
     result = {
@@ -93,4 +159,6 @@ def quantize_to_artifact(
     }
     result.update(total_seconds=time.perf_counter() - start, threads=qm.stats["threads"], artifact=str(path),
                   recipe=chosen.name, context=context, prefill_len=qm.prefill_len)
+    if optimized is not None:
+        result.update(seq_mse=optimized["seq_mse"], weight_rounding=optimized["weight_rounding"])
     return result, qm.plan.summary() if qm.plan is not None else ""
