@@ -9,6 +9,7 @@ User errors (:class:`npuq.errors.NpuqError`) print one line and exit with status
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any, Callable
 
@@ -68,10 +69,18 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.models import load_model
     from npuq.runtime.generate import generate
 
-    loaded = load_model(args.model)
+    graphs, context = None, args.context
+    if args.artifact or args.onnx:
+        from npuq.runtime.programs import open_programs
+
+        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
+        graphs, context = programs.graphs, programs.context  # the graphs' shapes fix the context
+        loaded = load_model(programs.model_source)
+    else:
+        loaded = load_model(args.model)
     result = generate(
-        loaded, args.prompt, max_new_tokens=args.max_new_tokens, context=args.context,
-        prefill_len=args.prefill_len, num_threads=args.num_threads,
+        loaded, args.prompt, max_new_tokens=args.max_new_tokens, context=context,
+        prefill_len=args.prefill_len, num_threads=args.num_threads, graphs=graphs,
     )
     print(args.prompt + result["text"])
     print(
@@ -90,12 +99,15 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     check_context(args.context)  # cheap checks before the model loads
     documents = load_corpus(args.corpus, args.split)
-    loaded = load_model(args.model, max_context=args.context if args.context > DEFAULT_MAX_CONTEXT else None)
-    check_context(args.context, loaded.config.max_position_embeddings)
-    result = evaluate_model(
-        loaded, documents, args.context, batch_size=args.batch_size, max_docs=args.max_docs,
-        max_tokens=args.max_tokens, num_threads=args.num_threads, progress=True,
-    )
+    if args.artifact or args.onnx:
+        result = _eval_quantized(args, documents)
+    else:
+        loaded = load_model(args.model, max_context=args.context if args.context > DEFAULT_MAX_CONTEXT else None)
+        check_context(args.context, loaded.config.max_position_embeddings)
+        result = evaluate_model(
+            loaded, documents, args.context, batch_size=args.batch_size, max_docs=args.max_docs,
+            max_tokens=args.max_tokens, num_threads=args.num_threads, progress=True,
+        )
     result["corpus"] = args.corpus
     result["split"] = None if args.corpus.startswith("file:") else args.split
     print(
@@ -108,6 +120,32 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         file=sys.stderr,
     )
     return result
+
+
+def _eval_quantized(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
+    """Perplexity of a quantized artifact (PT2E QDQ programs) or an exported ONNX folder, run
+    through prefill and decode graphs from an empty cache, as on the device."""
+    from npuq.eval.perplexity import evaluate_perplexity
+    from npuq.models import load_model
+    from npuq.runtime.programs import open_programs
+    from npuq.threads import thread_scope
+
+    programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
+    if args.context > programs.context:
+        raise NpuqError(f"--context {args.context} exceeds the {programs.context} tokens the graphs were built for: "
+                        f"use --context {programs.context} or less")
+    tokenizer = load_model(programs.model_source).tokenizer
+    scope = thread_scope(args.num_threads) if args.num_threads else contextlib.nullcontext()
+    with scope:
+        result = evaluate_perplexity(programs.logits, tokenizer, documents, args.context, max_docs=args.max_docs,
+                                     max_tokens=args.max_tokens, progress=True)
+    return {**result, **programs.describe(), "threads": torch_threads()}
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 # --------------------------------------------------------------------------- tune-threads
@@ -212,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context length of the static graphs: prompt + new tokens must fit (default 512)")
     p.add_argument("--prefill-len", type=_pos_int, default=32, metavar="N",
                    help="tokens per prefill (AR-N) call (default 32)")
+    quantized = p.add_mutually_exclusive_group()
+    quantized.add_argument("--artifact", metavar="DIR", help="generate with a quantized artifact's QDQ programs "
+                           "(their context and prefill length apply)")
+    quantized.add_argument("--onnx", metavar="DIR", help="generate with an exported folder's ONNX graphs")
+    p.add_argument("--provider", choices=("cpu", "htp"), default="cpu",
+                   help="with --onnx: ONNX Runtime's CPU provider or the QNN HTP backend (default: cpu)")
     _add_threads(p)
     _add_common(p)
     p.set_defaults(func=cmd_generate)
@@ -233,7 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--max-tokens", type=_pos_int, metavar="N",
                         help="score only the first N tokens (whole documents, the last one cut)")
     p.add_argument("--batch-size", type=_pos_int, default=4, metavar="N",
-                   help="windows of equal length per forward (default 4)")
+                   help="windows of equal length per forward of the float model (default 4)")
+    quantized = p.add_mutually_exclusive_group()
+    quantized.add_argument("--artifact", metavar="DIR",
+                           help="evaluate a quantized artifact ('npuq quantize --out'): its QDQ prefill and decode "
+                                "programs, run from an empty cache as on the device (instead of --model)")
+    quantized.add_argument("--onnx", metavar="DIR", help="evaluate an exported folder ('npuq export --out') with ONNX Runtime")
+    p.add_argument("--provider", choices=("cpu", "htp"), default="cpu",
+                   help="with --onnx: cpu (exact QDQ reference, graph optimizations off) or htp (the QNN HTP "
+                        "backend of onnxruntime-qnn, emulated on the CPU, fallback disabled) (default: cpu)")
     _add_threads(p)
     _add_common(p)
     p.set_defaults(func=cmd_eval)

@@ -18,8 +18,13 @@ def generate(
     context: int = 512,
     prefill_len: int = 32,
     num_threads: int = 0,
+    graphs: dict[int, Any] | None = None,
 ) -> dict[str, Any]:
     """Greedy continuation of ``prompt``; stops at EOS or after ``max_new_tokens``.
+
+    ``graphs`` (ar_len → callable, e.g. quantized programs or ONNX sessions built for exactly
+    ``context``) replace the float model; their thread plan is tuned on the float model's
+    workloads of the same shapes.
 
     Result: text, token_ids (generated only), prefill_seconds, decode_seconds,
     tokens_per_second (decode steps per second), threads (of decode), thread_plan (per phase:
@@ -39,7 +44,9 @@ def generate(
             f"the prompt has {len(prompt_ids)} tokens; with {max_new_tokens} new tokens that exceeds the "
             f"context of {context}: raise --context or shorten the prompt / --max-new-tokens"
         )
-    graphs = {1: model, prefill_len: model}
+    if graphs is None:
+        graphs = {1: model, prefill_len: model}
+    prefill_len = max(graphs)
     runner = StaticRunner(cfg, graphs, context)
     eos = cfg.eos_token_id
     # num_threads 0: each phase's count is tuned once per host and cached (npuq.threads).

@@ -1,0 +1,91 @@
+"""Word perplexity of SmolLM2-135M under each quantization recipe and accuracy-recovery method.
+
+Calibration text is the builtin corpus's calib split, evaluation its disjoint eval split, both
+at context 512. Every configuration starts from the same float weights. Writes JSON:
+
+    .venv/bin/python bench/accuracy.py [--calib-tokens 2048] [--eval-tokens 4096] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from npuq.artifact import write_json
+from npuq.calibrate.windows import split_windows
+from npuq.data import load_corpus
+from npuq.eval.perplexity import evaluate_perplexity
+from npuq.models import load_model
+from npuq.quant.pipeline import quantize_model
+from npuq.quant.recipe import load_recipe
+from npuq.quant.run import corpus_tokens, optimize_for_recipe
+from npuq.runtime.runner import forward_logits
+
+# (label, recipe, seq_mse candidates, granularity, rounding)
+CONFIGS = [
+    ("16a8w", "16a8w", None, "channel", "nearest"),
+    ("16a4w min/max", "16a4w", None, "channel", "nearest"),
+    ("16a4w + SeqMSE layer", "16a4w", 50, "layer", "nearest"),
+    ("16a4w + SeqMSE channel", "16a4w", 50, "channel", "nearest"),
+    ("16a4w + GPTQ", "16a4w", None, "channel", "gptq"),
+    ("16a4w + SeqMSE channel + GPTQ", "16a4w", 50, "channel", "gptq"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--eval-tokens", type=int, default=4096)
+    ap.add_argument("--only", action="append", help="run only configurations whose label contains this")
+    ap.add_argument("--out", default="out/bench/accuracy.json")
+    args = ap.parse_args()
+
+    loaded = load_model(args.model)
+    model, tok = loaded.model, loaded.tokenizer
+    float_state = {k: v.clone() for k, v in model.state_dict().items()}
+    calib = corpus_tokens(tok, "builtin", args.calib_tokens)
+    docs = load_corpus("builtin", "eval")
+
+    def evaluate(logits_fn):
+        r = evaluate_perplexity(logits_fn, tok, docs, args.context, max_tokens=args.eval_tokens)
+        return {k: r[k] for k in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens", "seconds")}
+
+    rows = [{"config": "float", **evaluate(lambda t: forward_logits(model, t))}]
+    print(json.dumps(rows[-1]), flush=True)
+    for label, recipe_name, n, granularity, rounding in CONFIGS:
+        if args.only and not any(o in label for o in args.only):
+            continue
+        model.load_state_dict(float_state)
+        recipe = load_recipe(recipe_name)
+        row: dict = {"config": label, "recipe": recipe_name, "seq_mse": n, "granularity": granularity if n else None,
+                     "rounding": rounding}
+        start = time.perf_counter()
+        scales = None
+        if n is not None or rounding != "nearest":
+            scales, summary = optimize_for_recipe(model, recipe, split_windows(calib, args.context), seq_mse=n,
+                                                  granularity=granularity, rounding=rounding, progress=False)
+            row.update(optimize=summary)
+        row["optimize_seconds"] = time.perf_counter() - start
+        qm = quantize_model(model, recipe, calib, context=args.context, weight_scales=scales)
+        row["quantize_seconds"] = sum(qm.stats[k] for k in ("prepare_seconds", "calibration_seconds", "convert_seconds"))
+        with torch.no_grad():
+            row.update(evaluate(qm.logits))
+        row["ppl_over_float"] = row["word_perplexity"] / rows[0]["word_perplexity"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    model.load_state_dict(float_state)
+    result = {"model": args.model, "context": args.context, "calib_tokens": len(calib), "eval_tokens": args.eval_tokens,
+              "corpus": "builtin (calib / eval splits)", "threads": torch.get_num_threads(), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Open quantized graphs for running: an artifact's PT2E programs or an export's ONNX files.
+
+Both give the same thing: the prefill and decode graphs keyed by ar_len, the model config
+they were built from, their context and a LogitsFn that runs tokens (B, T) through them from
+an empty cache (prefill chunks, then decode steps, as the device runner does).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from npuq.errors import NpuqError
+from npuq.models.config import ModelConfig
+
+
+@dataclass
+class Programs:
+    config: ModelConfig
+    context: int
+    graphs: dict[int, Any]  # ar_len → callable(*inputs) → (logits, *k_new, *v_new)
+    model_source: str  # where the tokenizer comes from
+    source: dict[str, Any]  # what was opened, for results
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        from npuq.quant.pipeline import run_programs
+
+        return run_programs(self.config, self.graphs, self.context, tokens)
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.source)
+
+
+def open_programs(artifact: str | None = None, onnx: str | None = None, provider: str = "cpu") -> Programs:
+    if artifact:
+        from npuq.quant.artifact import load_artifact
+
+        qm = load_artifact(artifact)
+        config = json.loads((Path(artifact) / "config.json").read_text(encoding="utf-8"))
+        return Programs(qm.config, qm.context, qm.graphs(), _model_source(config.get("model", {}), artifact),
+                        {"artifact": str(artifact), "scheme": qm.recipe.default, "recipe": qm.recipe.name})
+    if onnx:
+        from npuq.runtime.ort import load_export
+
+        manifest, graphs = load_export(onnx, provider)
+        return Programs(ModelConfig.from_dict(manifest["model_config"]), int(manifest["context"]), graphs,
+                        _model_source(manifest.get("tokenizer", {}), onnx),
+                        {"onnx": str(onnx), "provider": provider,
+                         "qnn_version": manifest.get("target", {}).get("qnn_version")})
+    raise ValueError("give an artifact or an onnx folder")
+
+
+def _model_source(info: dict[str, Any], where: str) -> str:
+    for key in ("source", "name", "model"):
+        value = info.get(key)
+        if value and (Path(value).exists() or key != "source"):
+            return value
+    raise NpuqError(f"{where}: cannot tell which model's tokenizer to use (no model source recorded)")
