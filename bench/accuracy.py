@@ -20,7 +20,7 @@ from npuq.calibrate.windows import split_windows
 from npuq.data import load_corpus
 from npuq.eval.perplexity import evaluate_perplexity
 from npuq.models import load_model
-from npuq.quant.pipeline import quantize_model
+from npuq.quant.pipeline import fold_constant_dequant, quantize_model
 from npuq.quant.recipe import load_recipe
 from npuq.quant.run import corpus_tokens, optimize_for_recipe
 from npuq.runtime.runner import forward_logits
@@ -74,6 +74,7 @@ def main() -> None:
         row["optimize_seconds"] = time.perf_counter() - start
         qm = quantize_model(model, recipe, calib, context=args.context, weight_scales=scales)
         row["quantize_seconds"] = sum(qm.stats[k] for k in ("prepare_seconds", "calibration_seconds", "convert_seconds"))
+        qm.decode, qm.prefill = fold_constant_dequant(qm.decode), fold_constant_dequant(qm.prefill)  # same numbers, faster
         with torch.no_grad():
             row.update(evaluate(qm.logits))
         row["ppl_over_float"] = row["word_perplexity"] / rows[0]["word_perplexity"]
