@@ -378,9 +378,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_third_party_imports() -> None:
+    """torchao warns at import about its CUDA-only kernels, torch about a deprecated Enum
+    registration inside torchao: noise on a CPU machine, shown again with --debug."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.debug:
+        _quiet_third_party_imports()
     func: Callable[[argparse.Namespace], dict[str, Any]] = args.func
     try:
         result = func(args)
