@@ -122,6 +122,7 @@ def test_cli_quantize_end_to_end(tmp_path, hf_folder, capsys, monkeypatch):
     assert len(config["model"]["weights_sha256"]) == 64 and config["calibration"]["corpus"] == f"file:{text}"
     plan = config["calibration"]["thread_plan"]["calibrate"]  # --num-threads 0: measured for the calibrate phase
     assert plan["source"] in ("auto", "cache") and plan["threads"] == result["threads"]
+    assert result["thread_plan"] == config["calibration"]["thread_plan"]
     loaded = load_artifact(out)
     logits = loaded.logits(torch.tensor([[1, 5, 9, 12]]))
     assert logits.shape == (1, 4, 256) and torch.isfinite(logits).all()

@@ -157,7 +157,8 @@ def quantize_to_artifact(
         for key in ("scheme", "calibration_mode", "calibration_tokens", "calibration_seconds", "prepare_seconds",
                     "convert_seconds")
     }
-    result.update(total_seconds=time.perf_counter() - start, threads=qm.stats["threads"], artifact=str(path),
+    result.update(total_seconds=time.perf_counter() - start, threads=qm.stats["threads"], thread_plan=plan.to_dict(),
+                  artifact=str(path),
                   recipe=chosen.name, context=context, prefill_len=qm.prefill_len)
     if optimized is not None:
         result.update(seq_mse=optimized["seq_mse"], weight_rounding=optimized["weight_rounding"])
