@@ -33,6 +33,8 @@ CONFIGS = [
     ("16a4w + SeqMSE channel", "16a4w", 50, "channel", "nearest"),
     ("16a4w + GPTQ", "16a4w", None, "channel", "gptq"),
     ("16a4w + SeqMSE channel + GPTQ", "16a4w", 50, "channel", "gptq"),
+    ("16a4w_mixed min/max", "16a4w_mixed", None, "channel", "nearest"),
+    ("16a4w_mixed + SeqMSE channel + GPTQ", "16a4w_mixed", 50, "channel", "gptq"),
 ]
 
 
