@@ -139,10 +139,10 @@ def _eval_quantized(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
     with scope:
         result = evaluate_perplexity(programs.logits, tokenizer, documents, args.context, max_docs=args.max_docs,
                                      max_tokens=args.max_tokens, progress=True)
-    return {**result, **programs.describe(), "threads": torch_threads()}
+    return {**result, **programs.describe(), "threads": _torch_threads()}
 
 
-def torch_threads() -> int:
+def _torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
