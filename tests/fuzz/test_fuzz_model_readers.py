@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from npuq.errors import NpuqError
@@ -51,6 +51,7 @@ cuts = st.one_of(st.just(1.0), st.floats(0.0, 1.0))
 
 @FUZZ
 @given(edits=edits, cut=cuts, header_only=st.booleans())
+@example(edits=[(175, 2)], cut=1.0, header_only=False)  # once asked for a 34 GB allocation
 def test_mutated_gguf(valid_files, tmp_path, edits, cut, header_only):
     data = valid_files(0)
     if header_only:  # concentrate edits on the header and metadata, where parsing happens
@@ -96,3 +97,22 @@ def test_mutated_config(valid_files, tmp_path, changes):
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "model.safetensors").write_bytes(valid_files(1))
     _load(folder)
+
+
+def test_huge_sizes_in_metadata_are_refused_before_allocating(valid_files, tmp_path):
+    """Found by the fuzzer: one flipped header byte made the config claim 34 GB of weights."""
+    import gguf
+
+    from npuq.models.tiny import tiny_hf_model
+
+    model = tiny_hf_model("llama")
+    path = tmp_path / "huge.gguf"
+    write_tiny_llama_gguf(path, model)
+    data = bytearray(path.read_bytes())
+    key = b"llama.feed_forward_length"
+    at = data.index(key) + len(key) + 4  # skip the value type (uint32)
+    data[at:at + 4] = (1 << 30).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    assert gguf.GGUFReader(str(path)).fields["llama.feed_forward_length"].parts[-1][0] == 1 << 30
+    with pytest.raises(NpuqError, match="ffn|mlp|shape"):
+        load_model(str(path))

@@ -63,6 +63,7 @@ def build_decoder(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: st
     max_context = max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     with torch.device("meta"):  # skip random initialisation: every parameter is overwritten
         model = StaticDecoder(cfg, max_context)
+    tensors = model.check_weights(tensors, source)  # before allocating what the config claims
     model = model.to_empty(device="cpu")
     # to_empty leaves the (non-checkpoint) RoPE tables uninitialised: compute them again.
     model.rope_cos, model.rope_sin = rope_tables(cfg.rope, cfg.head_dim, max_context)

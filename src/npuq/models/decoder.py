@@ -210,9 +210,18 @@ class StaticDecoder(nn.Module):
         return (logits, *k_out, *v_out)
 
     def load_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
-        """Copy checkpoint tensors (our names) into the module after checking every name and shape.
+        """Copy checkpoint tensors (our names) into the module after checking every name and shape."""
+        tensors = self.check_weights(tensors, source)
+        with torch.no_grad():
+            for name, ref in self.state_dict().items():
+                ref.copy_(tensors[name].to(ref.dtype))
 
-        A tied model's missing ``lm_head.weight`` is copied from the embedding table.
+    def check_weights(self, tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+        """Check every name, shape and value; returns the complete tensor dict.
+
+        Works on a module built on the meta device, so a config that claims huge sizes is
+        refused before anything is allocated. A tied model's missing ``lm_head.weight`` is the
+        embedding table.
         """
         from npuq.errors import ModelLoadError
 
@@ -238,6 +247,4 @@ class StaticDecoder(nn.Module):
                 )
             if not torch.isfinite(t).all():
                 raise ModelLoadError(f"{source}: tensor {name} contains NaN or Inf values")
-        with torch.no_grad():
-            for name, ref in expected.items():
-                ref.copy_(tensors[name].to(ref.dtype))
+        return tensors
