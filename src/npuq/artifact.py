@@ -55,18 +55,33 @@ def user_cache_dir() -> Path:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary folder next to ``path``; rename it onto ``path`` if the block succeeds.
+    """Yield a temporary folder next to ``path``; move it onto ``path`` if the block succeeds.
 
-    ``path`` must not exist (callers decide whether to remove an old one first).
+    An existing ``path`` (callers decide whether replacing it is allowed) stays whole until the
+    new folder is in place, and comes back if the final rename fails.
     """
     import shutil
 
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield tmp
-        os.replace(tmp, final)
+        if not final.exists():
+            os.replace(tmp, final)
+            return
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
+        os.rmdir(old)
+        os.replace(final, old)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            os.replace(old, final)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

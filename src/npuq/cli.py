@@ -9,7 +9,6 @@ User errors (:class:`npuq.errors.NpuqError`) print one line and exit with status
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from typing import Any, Callable
 
@@ -128,24 +127,17 @@ def _eval_quantized(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
     from npuq.eval.perplexity import evaluate_perplexity
     from npuq.models import load_model
     from npuq.runtime.programs import open_programs
-    from npuq.threads import thread_scope
+    from npuq.threads import scope_or_keep
 
     programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
     if args.context > programs.context:
         raise NpuqError(f"--context {args.context} exceeds the {programs.context} tokens the graphs were built for: "
                         f"use --context {programs.context} or less")
     tokenizer = load_model(programs.model_source).tokenizer
-    scope = thread_scope(args.num_threads) if args.num_threads else contextlib.nullcontext()
-    with scope:
+    with scope_or_keep(args.num_threads) as threads:
         result = evaluate_perplexity(programs.logits, tokenizer, documents, args.context, max_docs=args.max_docs,
                                      max_tokens=args.max_tokens, progress=True)
-    return {**result, **programs.describe(), "threads": _torch_threads()}
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
+    return {**result, **programs.describe(), "threads": threads}
 
 
 # --------------------------------------------------------------------------- tune-threads

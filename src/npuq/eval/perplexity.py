@@ -8,7 +8,6 @@ all fit, so one code path evaluates every stage. Windows follow lm-evaluation-ha
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -175,14 +174,9 @@ def evaluate_model(
             f"--context {context} exceeds the {model.max_context} positions the model was prepared for: "
             f"load it with load_model(..., max_context={context})"
         )
-    if num_threads:
-        from npuq.threads import thread_scope
+    from npuq.threads import scope_or_keep
 
-        scope = thread_scope(num_threads)
-    else:
-        scope = contextlib.nullcontext()
-    with scope:
-        threads = torch.get_num_threads()
+    with scope_or_keep(num_threads) as threads:
         result = evaluate_perplexity(
             lambda tokens: forward_logits(model, tokens), loaded.tokenizer, documents, context,
             batch_size=batch_size, max_docs=max_docs, max_tokens=max_tokens, progress=progress,

@@ -15,21 +15,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import onnx
 
+from npuq.artifact import atomic_dir
 from npuq.errors import NpuqError
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, resolve_target
+from npuq.quant.artifact import load_program, read_artifact
 
 
 EXPORT_FORMAT = "npuq-export/1"
-ARTIFACT_FORMAT = "npuq-quantized/1"  # what npuq.quant.artifact writes
 KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")
 PROTOBUF_LIMIT = 1_800_000_000  # bytes; larger models keep their weights in an external file
 
@@ -44,46 +44,6 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
 
 def is_kv(name: str) -> bool:
     return name.startswith(KV_PREFIXES)
-
-
-def read_artifact(folder: str | os.PathLike) -> dict[str, Any]:
-    """The artifact's config.json, after checking it is a complete artifact of this format."""
-    path = Path(folder)
-    if not path.is_dir():
-        raise NpuqError(f"--artifact {path}: no such folder; give the --out folder of 'npuq quantize'")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise NpuqError(f"--artifact {path}: no config.json, so not an npuq artifact; give the --out folder of 'npuq quantize'")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise NpuqError(f"--artifact {path}: config.json is not valid JSON ({exc}); quantize again") from None
-    fmt = config.get("format")
-    if fmt != ARTIFACT_FORMAT:
-        made_by = config.get("versions", {}).get("npuq", "an unknown version")
-        raise NpuqError(
-            f"--artifact {path}: format {fmt!r} written by npuq {made_by} is not {ARTIFACT_FORMAT!r}, "
-            "which this npuq reads; quantize the model again with this npuq"
-        )
-    for key in ("model_config", "context", "programs"):
-        if key not in config:
-            raise NpuqError(f"--artifact {path}: config.json lacks {key!r}; the artifact is incomplete, quantize again")
-    for kind in ("decode", "prefill"):
-        entry = config["programs"].get(kind)
-        if entry is None or not (path / entry["file"]).is_file():
-            missing = entry["file"] if entry else f"{kind} program"
-            raise NpuqError(f"--artifact {path}: {missing} is missing; the artifact is incomplete, quantize again")
-    return config
-
-
-def load_program(path: Path):
-    import torch
-    import torchao.quantization.pt2e  # noqa: F401  (registers the quantized_decomposed ops)
-
-    try:
-        return torch.export.load(path)
-    except Exception as exc:  # torch raises many types for a damaged or foreign file
-        raise NpuqError(f"{path}: cannot load the program ({type(exc).__name__}: {exc}); quantize again") from None
 
 
 def check_kv_encodings(graphs: dict[str, LoweredGraph]) -> None:
@@ -178,10 +138,7 @@ def export_artifact(
     log_notes_once([n for g in lowered.values() for n in g.notes])
 
     pattern, per_node = _embedding_summary({k: g.notes for k, g in lowered.items()})
-    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out) as tmp:
         files: dict[str, str] = {}
         graphs_json: dict[str, Any] = {}
         for kind, g in lowered.items():
@@ -221,12 +178,6 @@ def export_artifact(
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         files["manifest"] = str(out / "manifest.json")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {
         "qnn_version": manifest["target"]["qnn_version"],
         "qnn_version_source": target.qnn_version_source,

@@ -13,17 +13,15 @@ once the new one is complete.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from npuq.artifact import atomic_dir
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
 from npuq.quant.pipeline import QuantizedModel, fold_constant_dequant
@@ -66,12 +64,7 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
                   extra_config: dict[str, Any] | None = None) -> Path:
     """Write ``qm`` to the folder ``out`` atomically (see the module docstring)."""
     final = check_destination(out, force)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the artifact is an ordinary folder
-    try:
+    with atomic_dir(final) as tmp:
         cfg = qm.config
         for kind, filename in PROGRAMS.items():
             module = qm.decode if kind == "decode" else qm.prefill
@@ -91,27 +84,46 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
             "versions": versions(),
         }
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
-        _move_into_place(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 
-def _move_into_place(tmp: Path, final: Path) -> None:
-    if not final.exists():
-        os.replace(tmp, final)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
-    os.rmdir(old)
-    os.replace(final, old)  # the old artifact stays whole until the new one is in place
+def read_artifact(folder: str | os.PathLike) -> dict[str, Any]:
+    """The artifact's config.json, after checking it is a complete artifact of this format."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise NpuqError(f"--artifact {path}: no such folder; give the --out folder of 'npuq quantize'")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise NpuqError(f"--artifact {path}: no config.json, so not an npuq artifact; give the --out folder of 'npuq quantize'")
     try:
-        os.replace(tmp, final)
-    except BaseException:
-        os.replace(old, final)
-        raise
-    with contextlib.suppress(OSError):
-        shutil.rmtree(old)
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise NpuqError(f"--artifact {path}: config.json is not valid JSON ({exc}); quantize again") from None
+    fmt = config.get("format")
+    if fmt != ARTIFACT_FORMAT:
+        made_by = config.get("versions", {}).get("npuq", "an unknown version")
+        raise NpuqError(
+            f"--artifact {path}: format {fmt!r} written by npuq {made_by} is not {ARTIFACT_FORMAT!r}, "
+            "which this npuq reads; quantize the model again with this npuq"
+        )
+    for key in ("model_config", "context", "programs"):
+        if key not in config:
+            raise NpuqError(f"--artifact {path}: config.json lacks {key!r}; the artifact is incomplete, quantize again")
+    for kind in ("decode", "prefill"):
+        entry = config["programs"].get(kind)
+        if entry is None or not (path / entry["file"]).is_file():
+            missing = entry["file"] if entry else f"{kind} program"
+            raise NpuqError(f"--artifact {path}: {missing} is missing; the artifact is incomplete, quantize again")
+    return config
+
+
+def load_program(path: Path) -> torch.export.ExportedProgram:
+    import torchao.quantization.pt2e  # noqa: F401  (registers the quantized_decomposed ops)
+
+    try:
+        return torch.export.load(path)
+    except Exception as exc:  # torch raises many types for a damaged or foreign file
+        raise NpuqError(f"{path}: cannot load the program ({type(exc).__name__}: {exc}); quantize again") from None
 
 
 def load_artifact(folder: str | os.PathLike, fold_constants: bool = True) -> QuantizedModel:
@@ -122,21 +134,11 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True) -> Qua
     call (:func:`npuq.quant.pipeline.fold_constant_dequant`): same numbers, a faster CPU
     simulation, float-sized weights in memory. Pass False to keep the programs as saved.
     """
-    import torchao.quantization.pt2e  # noqa: F401  (registers the quantize/dequantize ops)
-
     path = Path(folder)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise NpuqError(f"{path} is not an npuq artifact (no config.json): give the --out folder of 'npuq quantize'")
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    if config.get("format") != ARTIFACT_FORMAT:
-        raise NpuqError(f"{path}: artifact format {config.get('format')!r} is not {ARTIFACT_FORMAT!r}; quantize again")
+    config = read_artifact(path)
     programs = {}
-    for kind, entry in config["programs"].items():
-        file = path / entry["file"]
-        if not file.is_file():
-            raise NpuqError(f"{path}: {entry['file']} is missing; the artifact is incomplete, quantize again")
-        module = torch.export.load(file).module()
+    for kind in ("decode", "prefill"):
+        module = load_program(path / config["programs"][kind]["file"]).module()
         programs[kind] = fold_constant_dequant(module) if fold_constants else module
     encodings = json.loads((path / "encodings.json").read_text(encoding="utf-8"))
     return QuantizedModel(

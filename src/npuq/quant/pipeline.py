@@ -12,7 +12,6 @@ cache input equals that of the cache output the runner copies into it.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from npuq.quant.observers import name_observers, pin_weight_scales
 from npuq.quant.quantizer import HtpQuantizer
 from npuq.quant.recipe import Recipe, RecipePlan
 from npuq.runtime.runner import StaticRunner
+from npuq.threads.scope import scope_or_keep
 
 CALIBRATION_MODES = ("onepass", "sequential")
 DEFAULT_PREFILL_LEN = 32
@@ -131,7 +131,9 @@ def quantize_model(
 
     bar = _progress_bar(windows.tokens, f"calibrating ({mode})") if progress else None
     update = bar.update if bar is not None else None
-    with _threads(num_threads) as threads:
+    if num_threads < 0:
+        raise NpuqError(f"thread count {num_threads} is negative: give 0 for the current count or a positive number")
+    with scope_or_keep(num_threads) as threads:
         try:
             if calib is not None:
                 calibrate_onepass(calib, cfg, windows, batch_size, update)
@@ -210,20 +212,6 @@ def drop_unused_tensors(gm: GraphModule) -> GraphModule:
         if hasattr(owner, attr):
             delattr(owner, attr)
     return gm
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    """Run at ``n`` torch threads (0: leave as is); yields the count in effect."""
-    if n < 0:
-        raise NpuqError(f"thread count {n} is negative: give 0 for the current count or a positive number")
-    if n == 0:
-        yield torch.get_num_threads()
-        return
-    from npuq.threads.scope import thread_scope
-
-    with thread_scope(n) as count:
-        yield count if isinstance(count, int) else torch.get_num_threads()
 
 
 def _progress_bar(total: int, desc: str):

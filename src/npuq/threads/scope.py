@@ -43,3 +43,13 @@ def thread_scope(n: int) -> Iterator[int]:
             yield n
         finally:
             torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def scope_or_keep(n: int) -> Iterator[int]:
+    """:func:`thread_scope` for ``n`` ≥ 1; ``n`` = 0 leaves the count as it is. Yields the count in effect."""
+    if n == 0:
+        yield torch.get_num_threads()
+        return
+    with thread_scope(n) as count:
+        yield count
