@@ -7,7 +7,6 @@ an empty cache (prefill chunks, then decode steps, as the device runner does).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,10 @@ class Programs:
 
 def open_programs(artifact: str | None = None, onnx: str | None = None, provider: str = "cpu") -> Programs:
     if artifact:
-        from npuq.quant.artifact import load_artifact
+        from npuq.quant.artifact import load_artifact, read_artifact
 
         qm = load_artifact(artifact)
-        config = json.loads((Path(artifact) / "config.json").read_text(encoding="utf-8"))
+        config = read_artifact(artifact)
         return Programs(qm.config, qm.context, qm.graphs(), _model_source(config.get("model", {}), artifact),
                         {"artifact": str(artifact), "scheme": qm.recipe.default, "recipe": qm.recipe.name})
     if onnx:
