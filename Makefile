@@ -22,19 +22,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-# The main job on the built-in defaults: quantize SmolLM2-135M for the HTP (16a8w, one-pass
-# calibration on the built-in corpus), compare float and quantized perplexity on held-out
-# text, lower to QDQ ONNX and generate with the exported graphs.
+# The main job on the built-in defaults: SmolLM2-135M → threads tuned → 16a8w with one-pass
+# calibration on the built-in corpus → float, quantized and exported perplexity on held-out
+# text → QDQ ONNX for the HTP → $(DEMO_OUT)/report.html. A second run reuses every stage.
 demo: $(STAMP)
-	$(BIN)/npuq info --model smollm2-135m
-	$(BIN)/npuq quantize --model smollm2-135m --scheme 16a8w --calib-tokens 2048 --context 256 \
-		--out $(DEMO_OUT)/artifact --force --json $(DEMO_OUT)/quantize.json
-	$(BIN)/npuq eval --model smollm2-135m --context 256 --max-tokens 1024 --json $(DEMO_OUT)/eval-float.json
-	$(BIN)/npuq eval --artifact $(DEMO_OUT)/artifact --context 256 --max-tokens 1024 --json $(DEMO_OUT)/eval-16a8w.json
-	$(BIN)/npuq export --artifact $(DEMO_OUT)/artifact --out $(DEMO_OUT)/onnx --force --json $(DEMO_OUT)/export.json
-	$(BIN)/npuq generate --onnx $(DEMO_OUT)/onnx --prompt "The capital of France is" --max-new-tokens 20 \
-		--json $(DEMO_OUT)/generate-onnx.json
-	@echo "demo results: $(DEMO_OUT)/*.json, artifact $(DEMO_OUT)/artifact, ONNX $(DEMO_OUT)/onnx"
+	$(BIN)/npuq run --model smollm2-135m --scheme 16a8w --context 256 --calib-tokens 2048 --eval-tokens 1024 \
+		--out $(DEMO_OUT)
+	@echo "demo report: $(DEMO_OUT)/report.html (data: $(DEMO_OUT)/report.json)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -25,7 +25,7 @@ from npuq.quant.recipe import load_recipe
 from npuq.quant.run import corpus_tokens, optimize_for_recipe
 from npuq.runtime.runner import forward_logits
 
-# (label, recipe, seq_mse candidates, granularity, rounding)
+# (label, recipe, seq_mse candidates, granularity, rounding[, layer inputs: "float" unless given])
 CONFIGS = [
     ("16a8w", "16a8w", None, "channel", "nearest"),
     ("16a4w min/max", "16a4w", None, "channel", "nearest"),
@@ -60,18 +60,20 @@ def main() -> None:
 
     rows = [{"config": "float", **evaluate(lambda t: forward_logits(model, t))}]
     print(json.dumps(rows[-1]), flush=True)
-    for label, recipe_name, n, granularity, rounding in CONFIGS:
+    for label, recipe_name, n, granularity, rounding, *rest in CONFIGS:
+        inputs = rest[0] if rest else "float"
         if args.only and not any(o in label for o in args.only):
             continue
         model.load_state_dict(float_state)
         recipe = load_recipe(recipe_name)
         row: dict = {"config": label, "recipe": recipe_name, "seq_mse": n, "granularity": granularity if n else None,
-                     "rounding": rounding}
+                     "rounding": rounding, "layer_inputs": inputs}
         start = time.perf_counter()
         scales = None
         if n is not None or rounding != "nearest":
             scales, summary = optimize_for_recipe(model, recipe, split_windows(calib, args.context), seq_mse=n,
-                                                  granularity=granularity, rounding=rounding, progress=False)
+                                                  granularity=granularity, rounding=rounding, progress=False,
+                                                  inputs=inputs)
             row.update(optimize=summary)
         row["optimize_seconds"] = time.perf_counter() - start
         qm = quantize_model(model, recipe, calib, context=args.context, weight_scales=scales)

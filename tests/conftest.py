@@ -1,6 +1,34 @@
-"""Suite-wide setup: npuq's cache (GGUF metadata, thread tuning) goes to a fresh temporary folder."""
+"""Suite-wide setup: npuq's cache (GGUF metadata, thread tuning) goes to a fresh temporary folder;
+the tiny artifact and export folders the reader tests start from."""
 
 import os
 import tempfile
 
+import pytest
+
 os.environ["NPUQ_CACHE_DIR"] = tempfile.mkdtemp(prefix="npuq-test-cache-")
+
+
+@pytest.fixture(scope="session")
+def tiny_folders(tmp_path_factory):
+    """A tiny Llama quantized 16a8w by npuq itself (context 16, prefill 4, 64 calibration tokens,
+    the default batch), built once per session: ``.artifact`` and ``.onnx`` folders (the seeds of
+    the reader tests; copy before changing them), and the ``.model``, ``.tokens`` and
+    ``.quantized`` model they came from."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from npuq.lower.export import export_artifact
+    from npuq.models.tiny import tiny_decoder
+    from npuq.quant.artifact import save_artifact
+    from npuq.quant.pipeline import quantize_model
+    from npuq.quant.recipe import load_recipe
+
+    root = tmp_path_factory.mktemp("tiny-folders")
+    _, model = tiny_decoder("llama", max_context=16)
+    tokens = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    qm = quantize_model(model, load_recipe(None, "16a8w"), tokens, context=16, prefill_len=4)
+    artifact = save_artifact(qm, root / "artifact")
+    export_artifact(artifact, root / "onnx", qnn_version="2.51", htp_arch=73)
+    return SimpleNamespace(artifact=artifact, onnx=root / "onnx", model=model, tokens=tokens, quantized=qm)

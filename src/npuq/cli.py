@@ -9,6 +9,7 @@ User errors (:class:`npuq.errors.NpuqError`) print one line and exit with status
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Any, Callable
 
@@ -26,10 +27,52 @@ def _nonneg_int(text: str) -> int:
 
 
 def _pos_int(text: str) -> int:
-    value = _nonneg_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be at least 1, got 0")
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _context(text: str) -> int:
+    value = _nonneg_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"too small: a window needs at least 2 tokens, got {value}")
+    return value
+
+
+MAX_THREADS = 1024  # OpenMP would try to start every thread asked for
+
+
+def _thread_count(text: str) -> int:
+    value = _nonneg_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_THREADS}, got {value}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (exit status 2), like npuq's own errors."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def _stay_offline(environ: Any = None) -> None:
+    """No network at run time: the Hugging Face libraries read these once, when first imported,
+    so this runs before any of them is. A user who sets HF_HUB_OFFLINE (e.g. to 0, to fill the
+    datasets cache once) decides for all three."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    value = environ.get("HF_HUB_OFFLINE", "1")
+    for name in OFFLINE_VARIABLES:
+        environ.setdefault(name, value)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -47,9 +90,47 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--num-threads", type=_nonneg_int, default=0, metavar="N",
+        "--num-threads", type=_thread_count, default=0, metavar="N",
         help="CPU threads for torch (0 = automatic, the default)",
     )
+
+
+def _device_name(text: str) -> str:
+    kind, _, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
+def _add_device(p: argparse.ArgumentParser, runs: str) -> None:
+    p.add_argument(
+        "--device", type=_device_name, default="auto", metavar="D",
+        help=f"where {runs}: auto (CUDA when torch sees a GPU, else the CPU; the default), cpu, cuda or "
+             "cuda:N. CPU thread tuning applies on the CPU only; the result records the device",
+    )
+
+
+def _device(args: argparse.Namespace) -> Any:
+    """The torch.device of ``--device``, checked before any work; ONNX graphs run on the CPU side
+    (ONNX Runtime places them by --provider)."""
+    from npuq.device import resolve_device
+
+    if getattr(args, "onnx", None):
+        if args.device not in ("auto", "cpu"):
+            raise NpuqError(f"--device {args.device} does not apply to --onnx: ONNX Runtime runs the graphs on "
+                            "--provider; drop --device, or evaluate the --artifact on the GPU")
+        return resolve_device("cpu")
+    return resolve_device(args.device)
+
+
+def _check_fits(context: int, prefill_len: int | None = None, max_new_tokens: int | None = None) -> None:
+    """Flags that must fit the context: one prefill chunk, and the new tokens after a prompt of
+    at least one token."""
+    if prefill_len is not None and prefill_len > context:
+        raise NpuqError(f"--prefill-len {prefill_len} exceeds --context {context}: use at most {context}")
+    if max_new_tokens is not None and max_new_tokens >= context:
+        raise NpuqError(f"--max-new-tokens {max_new_tokens} leaves no room for the prompt in --context {context}: "
+                        f"use at most {context - 1}, or raise --context")
 
 
 # --------------------------------------------------------------------------- info
@@ -68,23 +149,26 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.models import load_model
     from npuq.runtime.generate import generate
 
+    device = _device(args)
     graphs, context = None, args.context
+    if not (args.artifact or args.onnx):  # cheap checks before the model loads (the graphs fix their own)
+        _check_fits(args.context, prefill_len=args.prefill_len, max_new_tokens=args.max_new_tokens)
     if args.artifact or args.onnx:
         from npuq.runtime.programs import open_programs
 
-        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
+        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(device)
         graphs, context = programs.graphs, programs.context  # the graphs' shapes fix the context
         loaded = load_model(programs.model_source)
     else:
         loaded = load_model(args.model)
     result = generate(
         loaded, args.prompt, max_new_tokens=args.max_new_tokens, context=context,
-        prefill_len=args.prefill_len, num_threads=args.num_threads, graphs=graphs,
+        prefill_len=args.prefill_len, num_threads=args.num_threads, graphs=graphs, device=device,
     )
     print(args.prompt + result["text"])
     print(
         f"[{len(result['token_ids'])} tokens, prefill {result['prefill_seconds']:.2f} s, "
-        f"{result['tokens_per_second']:.1f} tokens/s decode, {result['threads']} threads]",
+        f"{result['tokens_per_second']:.1f} tokens/s decode, {result['threads']} threads, {result['device']}]",
         file=sys.stderr,
     )
     return result
@@ -97,33 +181,39 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.models import DEFAULT_MAX_CONTEXT, load_model
 
     check_context(args.context)  # cheap checks before the model loads
+    device = _device(args)
     documents = load_corpus(args.corpus, args.split)
     if args.artifact or args.onnx:
-        result = _eval_quantized(args, documents)
+        result = _eval_quantized(args, documents, device)
     else:
         loaded = load_model(args.model, max_context=args.context if args.context > DEFAULT_MAX_CONTEXT else None)
         check_context(args.context, loaded.config.max_position_embeddings)
         result = evaluate_model(
             loaded, documents, args.context, batch_size=args.batch_size, max_docs=args.max_docs,
-            max_tokens=args.max_tokens, num_threads=args.num_threads, progress=True,
+            max_tokens=args.max_tokens, num_threads=args.num_threads, progress=True, device=device,
         )
     result["corpus"] = args.corpus
     result["split"] = None if args.corpus.startswith("file:") else args.split
+    from npuq.data.corpora import replaced_characters
+
+    result["replacement_characters"] = replaced_characters(documents)  # non-UTF-8 byte sequences read as U+FFFD
     print(
         f"word perplexity {result['word_perplexity']:.4f}, byte perplexity {result['byte_perplexity']:.4f}, "
         f"bits per byte {result['bits_per_byte']:.4f}"
     )
     print(
         f"[{result['tokens']} tokens, {result['words']} words, {result['bytes']} bytes in {result['documents']} "
-        f"documents, context {result['context']}, {result['seconds']:.1f} s, {result['threads']} threads]",
+        f"documents, context {result['context']}, {result['seconds']:.1f} s, {result['threads']} threads, "
+        f"{result['device']}]",
         file=sys.stderr,
     )
     return result
 
 
-def _eval_quantized(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
+def _eval_quantized(args: argparse.Namespace, documents: Any, device: Any) -> dict[str, Any]:
     """Perplexity of a quantized artifact (PT2E QDQ programs) or an exported ONNX folder, run
-    through prefill and decode graphs from an empty cache, as on the device."""
+    through prefill and decode graphs from an empty cache, as on the device; the PT2E programs
+    run on ``device``."""
     from npuq.eval.perplexity import evaluate_perplexity
     from npuq.models import load_model
     from npuq.runtime.programs import open_programs
@@ -134,10 +224,11 @@ def _eval_quantized(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
         raise NpuqError(f"--context {args.context} exceeds the {programs.context} tokens the graphs were built for: "
                         f"use --context {programs.context} or less")
     tokenizer = load_model(programs.model_source).tokenizer
+    programs.to(device)
     with scope_or_keep(args.num_threads) as threads:
         result = evaluate_perplexity(programs.logits, tokenizer, documents, args.context, max_docs=args.max_docs,
-                                     max_tokens=args.max_tokens, progress=True)
-    return {**result, **programs.describe(), "threads": threads}
+                                     max_tokens=args.max_tokens, progress=True, device=device)
+    return {**result, **programs.describe(), "threads": threads, "device": str(device)}
 
 
 # --------------------------------------------------------------------------- tune-threads
@@ -147,6 +238,7 @@ def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.threads.workloads import PHASES, phase_workload
 
     phases = list(PHASES) if "all" in args.phase else list(dict.fromkeys(args.phase))
+    _check_fits(args.context, prefill_len=args.prefill_len)
     loaded = load_model(args.model)
     limits = cpu_limits()
     print(f"ceiling {limits.ceiling} threads (affinity {limits.affinity} CPUs, cgroup quota "
@@ -190,7 +282,7 @@ def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
         calib_tokens=args.calib_tokens, context=args.context, calibration_mode=args.calibration_mode,
         prefill_len=args.prefill_len, batch_size=args.batch_size, num_threads=args.num_threads,
         force=args.force, progress=True, seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity,
-        weight_rounding=args.weight_rounding,
+        weight_rounding=args.weight_rounding, device=args.device, layer_inputs=args.layer_inputs,
     )
     if args.recipe_summary:
         print(summary)
@@ -198,7 +290,7 @@ def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
         f"{result['artifact']}: {result['scheme']} ({result['recipe']}), {result['calibration_mode']} calibration on "
         f"{result['calibration_tokens']} tokens in {result['calibration_seconds']:.1f} s "
         f"(prepare {result['prepare_seconds']:.1f} s, convert {result['convert_seconds']:.1f} s, "
-        f"total {result['total_seconds']:.1f} s, {result['threads']} threads)"
+        f"total {result['total_seconds']:.1f} s, {result['threads']} threads, {result['device']})"
     )
     return result
 
@@ -218,8 +310,33 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# --------------------------------------------------------------------------- run
+def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
+    from npuq.run.job import PROMPTS, RunOptions, run_job
+
+    options = RunOptions(
+        model=args.model, scheme=args.scheme, recipe=args.recipe, context=args.context, prefill_len=args.prefill_len,
+        calib_corpus=args.calib_corpus, calib_tokens=args.calib_tokens, batch_size=args.batch_size,
+        seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity, weight_rounding=args.weight_rounding,
+        eval_corpus=args.eval_corpus, eval_tokens=args.eval_tokens, qnn_version=args.qnn_version,
+        htp_arch=args.htp_arch, soc=args.soc, embedding_pattern=args.embedding_pattern,
+        embedding_storage=args.embedding_storage, gen_tokens=args.gen_tokens,
+        prompts=tuple(args.prompt) if args.prompt else PROMPTS, num_threads=args.num_threads, device=args.device,
+    )
+    report = run_job(options, args.out)
+    ppl = report["perplexity"]
+    print(f"{'graphs':<10}{'word ppl':>10}{'x float':>9}{'byte ppl':>10}")
+    for name, r in ppl.items():
+        print(f"{name:<10}{r['word_perplexity']:>10.3f}{r['word_perplexity'] / ppl['float']['word_perplexity']:>9.3f}"
+              f"{r['byte_perplexity']:>10.4f}")
+    reused = sum(s["cached"] for s in report["stages"])
+    print(f"report: {args.out}/report.html (and report.json); deployable: {args.out}/onnx, artifact: "
+          f"{args.out}/artifact [{report['seconds']:.1f} s, {reused} of {len(report['stages'])} stages reused]")
+    return report
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="npuq",
         description="Quantize Hugging Face decoder LLMs for Qualcomm HTP-class NPUs: calibrate, "
                     "recover accuracy, evaluate, lower and export QDQ ONNX.",
@@ -238,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=_pos_int, default=32, metavar="N", help="tokens to generate (default 32)")
-    p.add_argument("--context", type=_pos_int, default=512, metavar="L",
+    p.add_argument("--context", type=_context, default=512, metavar="L",
                    help="context length of the static graphs: prompt + new tokens must fit (default 512)")
     p.add_argument("--prefill-len", type=_pos_int, default=32, metavar="N",
                    help="tokens per prefill (AR-N) call (default 32)")
@@ -248,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantized.add_argument("--onnx", metavar="DIR", help="generate with an exported folder's ONNX graphs")
     p.add_argument("--provider", choices=("cpu", "htp"), default="cpu",
                    help="with --onnx: ONNX Runtime's CPU provider or the QNN HTP backend (default: cpu)")
+    _add_device(p, "the float model or the --artifact programs run (--onnx: always the CPU side)")
     _add_threads(p)
     _add_common(p)
     p.set_defaults(func=cmd_generate)
@@ -278,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", choices=("cpu", "htp"), default="cpu",
                    help="with --onnx: cpu (exact QDQ reference, graph optimizations off) or htp (the QNN HTP "
                         "backend of onnxruntime-qnn, emulated on the CPU, fallback disabled) (default: cpu)")
+    _add_device(p, "the float model or the --artifact programs are scored (--onnx: always the CPU side)")
     _add_threads(p)
     _add_common(p)
     p.set_defaults(func=cmd_eval)
@@ -291,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase", action="append", required=True, choices=("decode", "prefill", "calibrate", "all"),
                    help="phase to tune, repeatable: decode (AR-1 step), prefill (AR-N chunk), calibrate "
                         "(a whole context at once) or all")
-    p.add_argument("--context", type=_pos_int, default=512, metavar="L",
+    p.add_argument("--context", type=_context, default=512, metavar="L",
                    help="context length of the static graphs (default 512)")
     p.add_argument("--prefill-len", type=_pos_int, default=32, metavar="N",
                    help="tokens per prefill (AR-N) call (default 32)")
@@ -317,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="corpus whose calib split is the calibration text: builtin, file:PATH or wikitext2 (default: builtin)")
     p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N",
                    help="calibration tokens (whole windows of --context, plus one shorter tail) (default 4096)")
-    p.add_argument("--context", type=_pos_int, default=512, metavar="L",
+    p.add_argument("--context", type=_context, default=512, metavar="L",
                    help="context length of the programs and calibration window (default 512)")
     p.add_argument("--prefill-len", type=_pos_int, default=None, metavar="N",
                    help="ar_len of the prefill program (default: 32, at most half the context)")
@@ -326,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefill (fast); sequential: the decode graph token by token (the published reference, slow)")
     p.add_argument("--batch-size", type=_pos_int, default=8, metavar="N",
                    help="windows per one-pass calibration forward (default 8)")
-    p.add_argument("--seq-mse", type=int, default=None, metavar="N",
+    p.add_argument("--seq-mse", type=_pos_int, default=None, metavar="N",
                    help="search N candidate scales per weight (coarse grid, then a fine grid around the best) "
                         "minimising the layer's output error on the calibration text; the published default is 50 "
                         "(default: off, min/max scales)")
@@ -334,9 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one scale multiplier per output channel (default) or one per layer (the published method)")
     p.add_argument("--weight-rounding", choices=("nearest", "gptq"), default="nearest",
                    help="round weights to the nearest code, or with GPTQ's error compensation (same int format)")
+    p.add_argument("--layer-inputs", choices=("float", "quantized"), default="float",
+                   help="inputs SeqMSE and GPTQ fit each layer to: the float model's (default, one forward) or the "
+                        "quantized model's own, block by block, so each layer sees the rounding of all before it")
     p.add_argument("--recipe-summary", action="store_true", help="print which rule and scheme each layer got")
     p.add_argument("--out", required=True, metavar="DIR", help="artifact folder to write (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace an existing --out folder (only once the new one is complete)")
+    _add_device(p, "the calibration forwards and SeqMSE/GPTQ run (export, prepare, convert and the saved "
+                   "artifact stay on the CPU, so it loads anywhere)")
     _add_threads(p)
     _add_common(p)
     p.set_defaults(func=cmd_quantize)
@@ -367,6 +491,57 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser("run", help="the main job: model → quantized, evaluated, exported artifact with a report",
+                       description="Tune threads, quantize (calibrate and recover accuracy), evaluate the float and "
+                                   "quantized models, export QDQ ONNX, evaluate the export, and write DIR/report.html "
+                                   "and DIR/report.json. Each stage is cached in DIR under a hash of its inputs: a "
+                                   "re-run reuses every stage whose inputs did not change, and a run interrupted "
+                                   "with Ctrl-C resumes from the last finished stage.")
+    _add_model(p)
+    p.add_argument("--scheme", choices=list(SCHEMES), metavar="S",
+                   help=f"default scheme, one of {', '.join(SCHEMES)} (default: the recipe's)")
+    p.add_argument("--recipe", metavar="R", help=f"built-in recipe ({', '.join(RECIPES)}) or a JSON file of rules")
+    p.add_argument("--context", type=_context, default=512, metavar="L",
+                   help="context length of the programs, the calibration and the evaluation windows (default 512)")
+    p.add_argument("--prefill-len", type=_pos_int, default=None, metavar="N",
+                   help="ar_len of the prefill program (default: 32, at most half the context)")
+    p.add_argument("--calib-corpus", default="builtin", metavar="C",
+                   help="calibration text (its calib split): builtin, file:PATH or wikitext2 (default: builtin)")
+    p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N", help="calibration tokens (default 4096)")
+    p.add_argument("--batch-size", type=_pos_int, default=8, metavar="N",
+                   help="windows per one-pass calibration forward (default 8)")
+    p.add_argument("--seq-mse", type=_pos_int, default=None, metavar="N",
+                   help="SeqMSE with N candidate scales per weight (default: off)")
+    p.add_argument("--seq-mse-granularity", choices=("channel", "layer"), default="channel",
+                   help="one scale multiplier per output channel (default) or per layer")
+    p.add_argument("--weight-rounding", choices=("nearest", "gptq"), default="nearest",
+                   help="round weights to the nearest code, or with GPTQ's error compensation")
+    p.add_argument("--eval-corpus", default="builtin", metavar="C",
+                   help="evaluation text (its eval split, disjoint from calib): builtin, file:PATH or wikitext2 "
+                        "(default: builtin)")
+    p.add_argument("--eval-tokens", type=_pos_int, default=4096, metavar="N",
+                   help="tokens scored in each evaluation (float, quantized, exported) (default 4096)")
+    p.add_argument("--qnn-version", metavar="X.Y[.Z]",
+                   help="target QNN SDK version (default: from $QNN_SDK_ROOT, else onnxruntime-qnn, else unknown)")
+    chip = p.add_mutually_exclusive_group()
+    chip.add_argument("--htp-arch", metavar="A", help="HTP architecture: 68, 69, 73, 75, 79 or 81")
+    chip.add_argument("--soc", metavar="NAME", help="target chip, e.g. SM8650 (sets the HTP arch)")
+    p.add_argument("--embedding-pattern", choices=("auto", "legacy", "optimized"), default="auto",
+                   help="per-channel embedding lowering (see 'npuq export --help') (default: auto)")
+    p.add_argument("--embedding-storage", choices=("u16", "int8-rowscale"), default="u16",
+                   help="table storage of the optimized embedding pattern (default: u16)")
+    p.add_argument("--gen-tokens", type=_pos_int, default=16, metavar="N",
+                   help="tokens generated per prompt, float and quantized, for the report (default 16)")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="a prompt for the report's generations, repeatable (default: three fixed prompts)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="run folder: artifact/, onnx/, report.html, report.json and the stage cache")
+    _add_device(p, "calibration, SeqMSE/GPTQ and the float and quantized evaluations run (export, the exported "
+                   "graphs' evaluation, per-layer errors and generations: the CPU)")
+    _add_threads(p)
+    _add_common(p)
+    p.set_defaults(func=cmd_run)
+
     return parser
 
 
@@ -380,11 +555,13 @@ def _quiet_third_party_imports() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _stay_offline()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.debug:
         _quiet_third_party_imports()
     func: Callable[[argparse.Namespace], dict[str, Any]] = args.func
+    previous = _terminate_as_interrupt()
     try:
         result = func(args)
         if args.json:
@@ -399,7 +576,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("npuq: interrupted; nothing half-written was left behind", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _terminate_as_interrupt() -> Any:
+    """SIGTERM (a killed job, a closed terminal session) unwinds like Ctrl-C, so temporary
+    outputs are removed and a run can resume. Returns the handler to restore (None when
+    handlers cannot be set: not the main thread)."""
+    try:
+        return signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:
+        return None
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def _assert_bound(steps, kv):
     """The stated bound, in output quantization steps of the logits (measured on the tiny
     families: 53-81 % within 1 step, 88-99 % within 4, worst 8-27; KV codes within 2-12).
 
-    Every op is lowered one to one except SiLU (sigmoid re-encoded at 2^-16), so the first
+    Every op is lowered one to one except SiLU (sigmoid re-encoded over [0, 1]), so the first
     differences are single-code rounding flips between torch and ONNX Runtime float kernels.
     The softmax amplifies a one-code flip of its input (whose step is coarse: it spans the
     additive mask) into tens of output codes, and that carries to the logits.

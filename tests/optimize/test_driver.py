@@ -1,9 +1,11 @@
 """The SeqMSE/GPTQ driver on a tiny model: shared Gram groups, grid-exact weights, lower error."""
 
+import pytest
 import torch
 
 from npuq.models.tiny import tiny_decoder
-from npuq.optimize.driver import WeightSpec, collect_grams, optimize_weights
+from npuq.optimize.driver import WeightSpec, collect_grams, optimize_weights, sequential_groups
+from npuq.optimize.seqmse import fake_quantize, minmax_scale
 from npuq.runtime.runner import forward_logits
 
 
@@ -47,3 +49,61 @@ def test_optimized_weights_lie_on_the_grid_and_reduce_the_error():
         assert torch.allclose(w, r.codes.float() * r.scale.unsqueeze(1), atol=0)
         assert r.loss <= r.loss_minmax * (1 + 1e-5)
     assert set(timings) == {"collect_seconds", "seq_mse_seconds", "rounding_seconds"}
+
+
+def _rtn_(module, bits=4):
+    """Round a linear layer's weight to nearest on its min/max grid, in place."""
+    with torch.no_grad():
+        w = module.weight
+        w.copy_(fake_quantize(w.float(), minmax_scale(w.float(), bits), bits))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_sequential_grams_equal_the_float_ones_while_nothing_is_rounded(arch):
+    # Block by block on cached hidden states (gemma3: sliding-window masks, two RoPE tables)
+    # must see exactly what one whole forward sees.
+    _, model = tiny_decoder(arch, seed=1)
+    names = _linears(model)
+    windows = _windows(model.config.vocab_size) + [torch.randint(0, model.config.vocab_size, (1, 7))]
+    group_of, grams = collect_grams(model, windows, names)
+    order = []
+    for group, gram, cross in sequential_groups(model, windows, names):
+        assert cross is None
+        assert len({group_of[n] for n in group}) == 1
+        ref = grams[group_of[group[0]]].double()
+        assert torch.allclose(gram.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), group
+        order += group
+    assert sorted(order) == sorted(names)
+    assert order[:4] == ["layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj",
+                         "layers.0.self_attn.o_proj"] and order[-1] == "lm_head"
+
+
+def test_sequential_grams_see_the_rounding_of_every_earlier_group():
+    _, model = tiny_decoder("llama", seed=3)
+    _, reference = tiny_decoder("llama", seed=3)
+    names = _linears(model)
+    windows = _windows(model.config.vocab_size)
+    group_of, float_grams = collect_grams(tiny_decoder("llama", seed=3)[1], windows, names)
+    modules, ref_modules = dict(model.named_modules()), dict(reference.named_modules())
+    seen = []
+    for group, gram, cross in sequential_groups(model, windows, names):
+        assert cross is None
+        # Independent reference: a whole forward of a separate copy in which exactly the groups
+        # before this one are rounded, the group's input captured by a hook.
+        captured = []
+        h = ref_modules[group[0]].register_forward_pre_hook(lambda m, a: captured.append(a[0].reshape(-1, a[0].shape[-1])))
+        for w in windows:
+            forward_logits(reference, w)
+        h.remove()
+        x = torch.cat(captured).double()
+        ref = x.T @ x
+        assert torch.allclose(gram.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), group
+        seen.append((group[0], gram))
+        for n in group:  # round this group in both models before asking for the next
+            _rtn_(modules[n])
+            _rtn_(ref_modules[n])
+    # The first group reads the embedding only: its Gram is the float one; every later group's is not.
+    for i, (first, gram) in enumerate(seen):
+        fg = float_grams[group_of[first]]
+        rel = ((gram - fg).norm() / fg.norm()).item()
+        assert (rel < 1e-6) if i == 0 else (rel > 1e-4), (first, rel)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from npuq.optimize.gptq import gptq_codes
-from npuq.optimize.seqmse import GramFactor, fake_quantize, minmax_scale, quantize_codes, seq_mse_search
+from npuq.optimize.seqmse import GramFactor, fake_quantize, lpbq_scale, minmax_scale, quantize_codes, seq_mse_search
 
 
 def _gram(x):
@@ -118,3 +118,66 @@ def test_gptq_with_block_scales():
     nearest = fake_quantize(weight, scale, 4)
     assert ((x @ (weight - deq.view(8, 64)).T) ** 2).sum() < ((x @ (weight - nearest).T) ** 2).sum()
     assert torch.equal(quantize_codes(weight, scale, 4).view(8, 4, 16).abs().amax(-1), torch.full((8, 4), 7.0))
+
+
+def test_lpbq_search_keeps_the_form_and_equals_a_slow_loop():
+    # One multiplier per channel scales the channel's LPBQ base: the block scales stay
+    # base_c · k_cb with the same integers k, and the choice equals an explicit loop whose losses
+    # come from X itself.
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(5, 48, generator=g) * torch.rand(1, 48, generator=g).pow(2)
+    x = torch.randn(60, 48, generator=g)
+    base = lpbq_scale(weight, 4, 16, 4)
+    n = 10
+    fast = seq_mse_search(weight, _gram(x), 4, candidates=n, granularity="channel", block_size=16, block_scale=base)
+    assert fast.multipliers.shape == (5,)
+    assert torch.allclose(fast.scale, base * fast.multipliers.unsqueeze(1))
+
+    def loss(c, m):
+        s = (base[c] * m).repeat_interleave(16)
+        q = torch.clamp(torch.round(weight[c] / s), -7, 7) * s
+        return ((x @ (weight[c] - q)) ** 2).sum().item()
+
+    coarse = [(i + 1) / n for i in range(n)]
+    sums = [sum(loss(c, m) for c in range(5)) for m in coarse]
+    grid = lambda center: [min(1.0, max(0.001, center - 1 / n + 2 / n * i / (n - 1))) for i in range(n)]
+    layer_fine = grid(coarse[min(range(n), key=lambda i: sums[i])])
+    slow = []
+    for c in range(5):
+        pool = coarse + layer_fine + grid(min(coarse, key=lambda m: loss(c, m)))
+        slow.append(min(pool, key=lambda m: loss(c, m)))
+    assert torch.allclose(fast.multipliers, torch.tensor(slow), atol=1e-5)
+    layer = seq_mse_search(weight, _gram(x), 4, candidates=n, granularity="layer", block_size=16, block_scale=base)
+    assert fast.loss <= layer.loss * (1 + 1e-6) and layer.loss <= layer.loss_minmax * (1 + 1e-6)
+
+
+def test_gptq_act_order_changes_only_the_column_order():
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(16, 32, generator=g)
+    x = torch.randn(256, 32, generator=g) @ (torch.eye(32) + 0.3 * torch.randn(32, 32, generator=g))
+    gram = _gram(x)
+    scale = minmax_scale(weight, 4)
+    # Columns already in order of decreasing input energy: act-order is a no-op.
+    order = torch.argsort(torch.diagonal(gram), descending=True)
+    sorted_gram, sorted_w = gram[order][:, order], weight[:, order]
+    assert torch.equal(gptq_codes(sorted_w, sorted_gram, scale, 4, act_order=True),
+                       gptq_codes(sorted_w, sorted_gram, scale, 4))
+    # Any input order: the codes come back in the weight's own column order and beat nearest.
+    codes = gptq_codes(weight, gram, scale, 4, act_order=True)
+    assert torch.equal(codes[:, order], gptq_codes(sorted_w, sorted_gram, scale, 4))
+    err = lambda q: ((x @ (weight - q).T) ** 2).sum()
+    assert err(codes.float() * scale.unsqueeze(1)) < err(fake_quantize(weight, scale, 4))
+
+
+def test_float_target_weight_is_the_least_squares_solution():
+    from npuq.optimize.driver import float_target_weight
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(200, 12, generator=g)
+    x_quant = x + 0.1 * torch.randn(200, 12, generator=g)  # what the partly quantized model gives
+    weight = torch.randn(7, 12, generator=g)
+    target = float_target_weight(weight, _gram(x_quant), x_quant.T @ x, damp=0.0)
+    reference = torch.linalg.lstsq(x_quant.double(), (x @ weight.T).double()).solution.T  # min ||X̃ W*ᵀ - X Wᵀ||
+    assert torch.allclose(target.double(), reference, atol=1e-4)
+    # Identical inputs: nothing to correct; damping pulls toward W, never toward 0.
+    assert torch.allclose(float_target_weight(weight, _gram(x), _gram(x), damp=0.1), weight, atol=1e-5)

@@ -10,7 +10,7 @@ import torch
 from npuq.calibrate.encodings import kv_io_qparams
 from npuq.cli import main
 from npuq.errors import NpuqError
-from npuq.models.tiny import tiny_decoder, tiny_hf_model
+from npuq.models.tiny import save_tiny_hf_folder, tiny_decoder
 from npuq.quant.artifact import load_artifact, save_artifact
 from npuq.quant.pipeline import quantize_model
 from npuq.quant.recipe import RECIPES
@@ -84,22 +84,10 @@ def test_load_rejects_non_artifacts(tmp_path):
 
 
 # --------------------------------------------------------------------------- CLI
-def _word_tokenizer(words):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
-
-
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_hf_model("llama", seed=0).save_pretrained(folder, safe_serialization=True)
+    folder = save_tiny_hf_folder(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0, words=200)
     words = [f"w{i}" for i in range(200)]
-    _word_tokenizer(words).save_pretrained(folder)
     text = folder.parent / "calib.txt"
     g = torch.Generator().manual_seed(0)
     text.write_text(" ".join(words[int(i)] for i in torch.randint(0, 200, (300,), generator=g)))

@@ -46,12 +46,44 @@ def test_optimized_scales_land_in_the_encodings(rounding):
     assert _sqnr(forward_logits(model, held_out), plain.logits(held_out)) < 20
 
 
-def test_block_scheme_is_refused_with_a_reason():
+def test_bad_candidate_count_is_refused():
     _, model = tiny_decoder("llama", max_context=32)
     windows = split_windows(_tokens(model.config.vocab_size, 64), 32)
-    with pytest.raises(NpuqError, match="do not apply to .*16a4w_block"):
-        optimize_for_recipe(model, load_recipe("16a4w_block"), windows, seq_mse=10, granularity="channel",
-                            rounding="gptq", progress=False)
     with pytest.raises(NpuqError, match="at least 1"):
         optimize_for_recipe(model, load_recipe("16a4w"), windows, seq_mse=0, granularity="channel",
                             rounding="nearest", progress=False)
+
+
+def test_lpbq_scales_follow_the_observer_rule():
+    from npuq.optimize.seqmse import lpbq_scale
+    from npuq.quant.observers import LpbqPerChannelObserver
+
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(16, 128, generator=g) * torch.rand(16, 128, generator=g).pow(4)
+    weight[3] = 0.0  # an all-zero row: the eps floor
+    obs = LpbqPerChannelObserver(block_size=32, scale_bits=4, eps=1e-4 / 14, dtype=torch.int8, quant_min=-7,
+                                 quant_max=7, qscheme=torch.per_channel_symmetric)
+    obs(weight)
+    expected, _, _ = obs.block_qparams()
+    assert torch.allclose(lpbq_scale(weight, 4, 32, 4, eps=1e-4 / 14), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("seq_mse", [None, 20])
+def test_lpbq_blocks_land_in_the_encodings(seq_mse):
+    # GPTQ alone, and SeqMSE (one multiplier per channel base) + GPTQ, on 16a4w_block: the
+    # artifact's LPBQ encodings (float base × integer k) are exactly the scales chosen.
+    _, model = tiny_decoder("llama", seed=4, max_context=32)
+    recipe = load_recipe("16a4w_block")
+    tokens = _tokens(model.config.vocab_size, 96)
+    scales, summary = optimize_for_recipe(model, recipe, split_windows(tokens, 32), seq_mse=seq_mse,
+                                          granularity="channel", rounding="gptq", progress=False)
+    assert summary["output_error_reduction"] > 0 and all(s.dim() == 2 for s in scales.values())
+    qm = quantize_model(model, recipe, tokens, context=32, weight_scales=scales)
+    params = {e["name"]: e for e in qm.encodings["param_encodings"]}
+    for path, scale in scales.items():
+        enc = params[f"{path}.weight"]
+        assert enc["enc_type"] == "LPBQ"
+        got = torch.tensor(enc["per_channel_float_scale"]).unsqueeze(1) * torch.tensor(enc["per_block_int_scale"])
+        assert torch.allclose(got.float(), scale, rtol=1e-5), path
+    held_out = _tokens(model.config.vocab_size, 24, seed=9).unsqueeze(0)
+    assert _sqnr(forward_logits(model, held_out), qm.logits(held_out)) > 25

@@ -17,11 +17,13 @@ multipliers. Input-edge requantizations (the int16 second input of a matmul) are
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
 
+from npuq.errors import NpuqError
 from npuq.quant import graph as g
 from npuq.quant.observers import LpbqPerChannelObserver, is_observer
 
@@ -95,6 +97,55 @@ def collect_encodings(gm: GraphModule) -> dict[str, Any]:
         enc = {"name": name, "module": module, **observer_encoding(obs)}
         (params if is_param else acts).append(enc)
     return {"version": FORMAT_VERSION, "activation_encodings": acts, "param_encodings": params}
+
+
+_ENC_TYPES = ("PER_TENSOR", "PER_CHANNEL", "LPBQ")
+
+
+def read_encodings(path: str | os.PathLike) -> dict[str, Any]:
+    """encodings.json as :func:`collect_encodings` writes it, checked entry by entry: names,
+    dtype and bit width, encoding type, and per-entry lists of finite scales (> 0), integer
+    offsets and finite min/max of one common length. :class:`NpuqError` names the first problem."""
+    from npuq.artifact import read_json
+
+    where, again = f"{path}", "quantize the model again"
+    data = read_json(path, "encodings", again)
+    if not isinstance(data, dict) or not isinstance(data.get("version"), str):
+        raise NpuqError(f"{where}: not an encodings file (an object with a 'version'); {again}")
+    for section in ("activation_encodings", "param_encodings"):
+        entries = data.get(section)
+        if not isinstance(entries, list):
+            raise NpuqError(f"{where}: {section!r} is missing or not a list; {again}")
+        for i, enc in enumerate(entries):
+            _check_encoding(enc, f"{where}: {section}[{i}]", again)
+    return data
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v: Any) -> bool:
+    return (isinstance(v, float) or _is_int(v)) and math.isfinite(v)
+
+
+def _check_encoding(enc: Any, where: str, again: str) -> None:
+    if not isinstance(enc, dict):
+        raise NpuqError(f"{where} is not an object; {again}")
+    if not isinstance(enc.get("name"), str) or not enc["name"]:
+        raise NpuqError(f"{where} has no tensor name; {again}")
+    where = f"{where} ({enc['name'][:60]})"
+    if not isinstance(enc.get("dtype"), str) or not _is_int(enc.get("bw")) or not 1 <= enc["bw"] <= 32:
+        raise NpuqError(f"{where}: dtype/bw missing or out of range (bw 1 to 32); {again}")
+    if enc.get("enc_type") not in _ENC_TYPES:
+        raise NpuqError(f"{where}: enc_type {enc.get('enc_type')!r:.40} is not one of {', '.join(_ENC_TYPES)}; {again}")
+    lists = {key: enc.get(key) for key in ("scale", "offset", "min", "max")}
+    if not all(isinstance(v, list) and v for v in lists.values()) or len({len(v) for v in lists.values()}) != 1:
+        raise NpuqError(f"{where}: scale, offset, min and max must be non-empty lists of one length; {again}")
+    if not all(_is_finite(s) and s > 0 for s in lists["scale"]):
+        raise NpuqError(f"{where}: every scale must be a finite number above 0; {again}")
+    if not all(_is_int(o) for o in lists["offset"]) or not all(_is_finite(v) for v in lists["min"] + lists["max"]):
+        raise NpuqError(f"{where}: offsets must be whole numbers and min/max finite numbers; {again}")
 
 
 def _qparams_of_qdq(node: Node, gm: GraphModule) -> tuple[float, int]:

@@ -5,6 +5,8 @@ sequence from position 0 with an empty cache, and only real tokens: with min/max
 the row t of a full causal forward carries exactly the values decode step t computes
 (REFERENCE.md §3), so the two give the same encodings except for tensors whose content
 depends on the cache length (see tests/calibrate/test_calibrate_onepass_vs_sequential.py).
+Both run where the windows are (:meth:`CalibrationWindows.to`); the graph must be there too
+(:func:`npuq.device.move_graph`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ def calibrate_onepass(
 ) -> None:
     """Run the observed calibrate graph (dynamic B, T) on whole windows, ``batch_size`` per
     forward, then the tail as its own shorter forward: no padded position reaches an observer."""
-    batches = list(windows.full.split(batch_size)) + ([windows.tail] if windows.tail is not None else [])
+    # Slices rather than Tensor.split: the same views, and split's confuse torch's lazy backend,
+    # which the device tests use as a second device on CPU-only machines.
+    full = windows.full
+    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    batches += [windows.tail] if windows.tail is not None else []
     with torch.no_grad():
         for tokens in batches:
             T = tokens.shape[1]
@@ -45,7 +51,7 @@ def calibrate_sequential(
     """Run the observed decode graph (AR-1, batch 1) token by token over each window, writing
     its own KV cache (teacher forcing): the published reference."""
     for row in windows.rows():
-        runner = StaticRunner(cfg, {1: graph}, context)
+        runner = StaticRunner(cfg, {1: graph}, context, device=row.device)
         for t in row.tolist():
             runner.feed([t])
             if progress:

@@ -19,6 +19,10 @@ class CalibrationWindows:
     def tokens(self) -> int:
         return self.full.numel() + (0 if self.tail is None else self.tail.numel())
 
+    def to(self, device: str | torch.device) -> CalibrationWindows:
+        """The same windows on ``device`` (the engines run where their tokens are)."""
+        return CalibrationWindows(self.full.to(device), None if self.tail is None else self.tail.to(device))
+
     def rows(self) -> list[torch.Tensor]:
         """Every window as a 1-D tensor (full windows first, then the tail)."""
         rows = list(self.full)

@@ -33,6 +33,7 @@ class Document:
     id: str
     page: str  # the original text: words and bytes are counted on it
     text: str | None = None  # what the model scores, where it differs from page (detokenized wikitext)
+    replaced: int = 0  # undecodable byte sequences of the source read as U+FFFD (see decode_utf8)
 
     @property
     def target(self) -> str:
@@ -56,6 +57,11 @@ def load_corpus(spec: str, split: str = "eval") -> list[Document]:
     return docs
 
 
+def replaced_characters(docs: list[Document]) -> int:
+    """How many undecodable byte sequences the documents' source held (each read as U+FFFD)."""
+    return sum(d.replaced for d in docs)
+
+
 # --------------------------------------------------------------------------- builtin
 def builtin_split_of(topic: str) -> str:
     """"calib" or "eval": the first byte of SHA-256(topic) decides (Python's hash() is salted)."""
@@ -73,7 +79,30 @@ def builtin_documents(split: str) -> list[Document]:
 
 
 # --------------------------------------------------------------------------- file:PATH
+REPLACEMENT = "\ufffd"
+
+
+def decode_utf8(data: bytes) -> tuple[str, int]:
+    """(text, replaced): ``data`` decoded as UTF-8 with every undecodable byte sequence read as
+    U+FFFD, and how many there were.
+
+    Python's "replace" handler writes one U+FFFD per maximal invalid subsequence; a valid
+    EF BF BD in the input (a literal U+FFFD) always decodes as one, and its lead byte EF can
+    never be swallowed by an invalid sequence before it (EF is not a continuation byte), so
+    the difference of the two counts is exact.
+    """
+    text = data.decode("utf-8", errors="replace")
+    return text, text.count(REPLACEMENT) - data.count(REPLACEMENT.encode("utf-8"))
+
+
 def file_documents(path_text: str) -> list[Document]:
+    """A .txt file is one document, a .jsonl file one document per ``{"text": ...}`` line.
+
+    Bytes that are not UTF-8 are read as U+FFFD and counted (``Document.replaced``), with a
+    warning, rather than refused: a scraped corpus with a few broken bytes is still usable.
+    """
+    import warnings
+
     path = Path(path_text).expanduser()
     if not path_text:
         raise NpuqError("corpus 'file:' names no file: use file:PATH with a .txt or .jsonl file")
@@ -83,13 +112,30 @@ def file_documents(path_text: str) -> list[Document]:
     if suffix not in (".txt", ".jsonl"):
         raise NpuqError(f"corpus file {path}: expected a .txt or .jsonl file, got {suffix or 'no suffix'!r}")
     try:
-        content = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise NpuqError(f"corpus file {path} is not UTF-8 text ({exc.reason} at byte {exc.start}): convert it to UTF-8") from None
-    if suffix == ".txt":
-        return [Document(path.name, content)] if content.strip() else []
+        data = path.read_bytes()
+    except OSError as exc:
+        raise NpuqError(f"corpus file {path} cannot be read ({exc.strerror or exc}): check its permissions") from None
+    docs = _txt_documents(path, data) if suffix == ".txt" else _jsonl_documents(path, data)
+    replaced = replaced_characters(docs)
+    if replaced:
+        warnings.warn(
+            f"corpus file {path}: {replaced} byte sequence(s) are not UTF-8 and were read as U+FFFD; "
+            "convert the file to UTF-8 to keep the original characters", stacklevel=3,
+        )
+    return docs
+
+
+def _txt_documents(path: Path, data: bytes) -> list[Document]:
+    content, replaced = decode_utf8(data)
+    return [Document(path.name, content, replaced=replaced)] if content.strip() else []
+
+
+def _jsonl_documents(path: Path, data: bytes) -> list[Document]:
+    # JSON Lines separates records by "\n" only: str.splitlines would also split at U+2028,
+    # U+0085 and other characters that JSON allows unescaped inside a string.
     docs = []
-    for number, line in enumerate(content.splitlines(), start=1):
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        line, replaced = decode_utf8(raw.removesuffix(b"\r"))
         if not line.strip():
             continue
         where = f"corpus file {path}, line {number}"
@@ -97,12 +143,14 @@ def file_documents(path_text: str) -> list[Document]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise NpuqError(f"{where}: not valid JSON ({exc.msg}): write one JSON object per line") from None
+        except (ValueError, RecursionError) as exc:  # an integer of 4300+ digits, nesting deeper than the stack
+            raise NpuqError(f"{where}: unreadable JSON ({type(exc).__name__}: {exc}): write one flat object per line") from None
         if not isinstance(record, dict) or "text" not in record:
             raise NpuqError(f'{where}: no "text" field: write each line as {{"text": "..."}}')
         if not isinstance(record["text"], str):
             raise NpuqError(f'{where}: "text" is {type(record["text"]).__name__}, expected a string')
         if record["text"].strip():
-            docs.append(Document(f"{path.name}:{number:06d}", record["text"]))
+            docs.append(Document(f"{path.name}:{number:06d}", record["text"], replaced=replaced))
     return docs
 
 
@@ -124,8 +172,9 @@ def wikitext2_documents(split: str) -> list[Document]:
         rows = datasets.load_dataset(*WIKITEXT_DATASET, split=hf_split)
     except Exception as exc:  # datasets raises many types when offline or the cache is missing
         raise NpuqError(
-            f"cannot load {WIKITEXT_DATASET[0]} ({WIKITEXT_DATASET[1]}, {hf_split}): {exc}; "
-            "connect once to cache it, or save the articles as JSON lines and use --corpus file:PATH"
+            f"cannot load {WIKITEXT_DATASET[0]} ({WIKITEXT_DATASET[1]}, {hf_split}): {exc}; the npuq command "
+            "stays offline, so download it into the cache once with HF_HUB_OFFLINE=0 in the environment, or save "
+            "the articles as JSON lines and use --corpus file:PATH"
         ) from None
     return [
         Document(f"wikitext2/{hf_split}/{i:04d}", row["page"], wikitext_detokenize(row["page"]))

@@ -4,6 +4,10 @@ The scorer only needs ``LogitsFn``: tokens (B, T) int64 → logits (B, T, V) of 
 that starts from an empty cache. The float model, a quantized PT2E program and an ONNX session
 all fit, so one code path evaluates every stage. Windows follow lm-evaluation-harness
 (:mod:`npuq.data.windows`), the arithmetic is :mod:`npuq.eval.metrics`.
+
+Tokens are built on the scoring ``device`` and the log-probabilities are computed where the
+logits come back, so only one float64 sum per chunk of rows returns to the host, never the
+(B, T, V) logits.
 """
 
 from __future__ import annotations
@@ -75,10 +79,11 @@ def tokenize_documents(
 
 
 def window_loglikelihood(logits: torch.Tensor, targets: Sequence[int]) -> float:
-    """Σ log p(targets[j]) from the last n = len(targets) rows of ``logits`` (T, V), in float64."""
+    """Σ log p(targets[j]) from the last n = len(targets) rows of ``logits`` (T, V), in float64,
+    computed on the logits' device."""
     n = len(targets)
     rows = logits[logits.shape[0] - n :]  # (n, V)
-    target = torch.as_tensor(targets, dtype=torch.long)
+    target = torch.as_tensor(targets, dtype=torch.long, device=logits.device)
     total = 0.0
     for start in range(0, n, _ROWS_PER_CHUNK):
         chunk = rows[start : start + _ROWS_PER_CHUNK].double()  # (c, V)
@@ -88,15 +93,17 @@ def window_loglikelihood(logits: torch.Tensor, targets: Sequence[int]) -> float:
 
 
 def score_windows(
-    logits_fn: LogitsFn, windows: Sequence[Window], batch_size: int = 1, progress: bool = False
+    logits_fn: LogitsFn, windows: Sequence[Window], batch_size: int = 1, progress: bool = False,
+    device: str | torch.device | None = None,
 ) -> list[float]:
-    """Log-likelihood of each window's targets, in the order of ``windows``."""
+    """Log-likelihood of each window's targets, in the order of ``windows``; the tokens given to
+    ``logits_fn`` are on ``device`` (None: the CPU)."""
     from tqdm import tqdm
 
     scores = [0.0] * len(windows)
     with tqdm(total=len(windows), desc="perplexity", unit="window", disable=not progress, leave=False) as bar:
         for batch in length_batches(windows, batch_size):
-            tokens = torch.tensor([windows[i].inputs for i in batch], dtype=torch.long)  # (B, T)
+            tokens = torch.tensor([windows[i].inputs for i in batch], dtype=torch.long, device=device)  # (B, T)
             with torch.no_grad():
                 logits = logits_fn(tokens)  # (B, T, V)
             if tuple(logits.shape[:2]) != tuple(tokens.shape):
@@ -118,8 +125,10 @@ def evaluate_perplexity(
     max_tokens: int | None = None,
     max_context: int | None = None,
     progress: bool = False,
+    device: str | torch.device | None = None,
 ) -> dict[str, Any]:
-    """Word/byte perplexity and bits per byte of ``documents`` under ``logits_fn``.
+    """Word/byte perplexity and bits per byte of ``documents`` under ``logits_fn``, which gets
+    its tokens on ``device`` (None: the CPU).
 
     Result: word_perplexity, byte_perplexity, bits_per_byte, loglikelihood, tokens, words,
     bytes, documents, windows, context, seconds (tokenization and scoring).
@@ -128,7 +137,7 @@ def evaluate_perplexity(
     start = time.perf_counter()
     docs = tokenize_documents(tokenizer, documents, max_docs, max_tokens)
     windows = document_windows([d.tokens for d in docs], prefix_token_id(tokenizer), context)
-    scores = score_windows(logits_fn, windows, batch_size, progress)
+    scores = score_windows(logits_fn, windows, batch_size, progress, device)
     per_doc = [0.0] * len(docs)
     for window, score in zip(windows, scores):
         per_doc[window.doc] += score
@@ -159,16 +168,20 @@ def evaluate_model(
     max_tokens: int | None = None,
     num_threads: int = 0,
     progress: bool = False,
+    device: str | torch.device | None = None,
 ) -> dict[str, Any]:
     """Perplexity of a loaded float model (:func:`npuq.models.load_model`) on ``documents``.
 
     ``num_threads``: torch threads while scoring, applied through :func:`npuq.threads.thread_scope`;
-    0 leaves torch's count as it is. Result: :func:`evaluate_perplexity`'s, plus model and threads.
+    0 leaves torch's count as it is. ``device``: where to score; the model moves there in place
+    (None: where it is). Result: :func:`evaluate_perplexity`'s, plus model, threads and device.
     """
+    from npuq.device import device_of
     from npuq.runtime.runner import forward_logits
 
     check_context(context, loaded.config.max_position_embeddings)
-    model = loaded.model
+    model = loaded.model if device is None else loaded.model.to(device)
+    device = device_of(model)
     if context > model.max_context:
         raise NpuqError(
             f"--context {context} exceeds the {model.max_context} positions the model was prepared for: "
@@ -179,6 +192,6 @@ def evaluate_model(
     with scope_or_keep(num_threads) as threads:
         result = evaluate_perplexity(
             lambda tokens: forward_logits(model, tokens), loaded.tokenizer, documents, context,
-            batch_size=batch_size, max_docs=max_docs, max_tokens=max_tokens, progress=progress,
+            batch_size=batch_size, max_docs=max_docs, max_tokens=max_tokens, progress=progress, device=device,
         )
-    return {**result, "model": loaded.name, "threads": threads}
+    return {**result, "model": loaded.name, "threads": threads, "device": str(device)}

@@ -8,6 +8,9 @@
 
 Both graphs share their KV cache with the runner, so every cache input must carry the
 encoding of the matching new-entries output, in both graphs alike: checked here.
+
+:func:`read_manifest` reads the folder back for the runtime, checking every field it uses
+and refusing graph files named outside the folder. The free disk is checked before writing.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ from typing import Any
 
 import onnx
 
-from npuq.artifact import atomic_dir
+from npuq.artifact import atomic_dir, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, resolve_target
-from npuq.quant.artifact import load_program, read_artifact
+from npuq.quant.artifact import load_program, program_path, read_artifact
 
 
 EXPORT_FORMAT = "npuq-export/1"
@@ -131,13 +134,17 @@ def export_artifact(
 
     lowered: dict[str, LoweredGraph] = {}
     for kind in ("decode", "prefill"):
-        program = load_program(Path(artifact) / config["programs"][kind]["file"])
+        program = load_program(program_path(artifact, config, kind))
         lowered[kind] = lower_program(program, target, options, in_names, out_names, is_kv,
                                       graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
     check_kv_encodings(lowered)
     log_notes_once([n for g in lowered.values() for n in g.notes])
 
     pattern, per_node = _embedding_summary({k: g.notes for k, g in lowered.items()})
+    from npuq.resources import check_free_disk
+
+    # Serialized size is exact (external data, if any, holds the same bytes); + the manifest.
+    check_free_disk(out, sum(g.model.ByteSize() for g in lowered.values()) + (1 << 20), f"the export {out}")
     with atomic_dir(out) as tmp:
         files: dict[str, str] = {}
         graphs_json: dict[str, Any] = {}
@@ -186,3 +193,97 @@ def export_artifact(
         "files": files,
         "seconds": time.perf_counter() - start,
     }
+
+
+# --------------------------------------------------------------------------- reading it back
+_IO_DTYPES = ("float32", "float16", "int64", "int32", "int16", "uint16", "int8", "uint8", "bool")
+
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+    """manifest.json of an export folder, checked before anything is opened: the format, the
+    model config, the context, and per graph a file inside the folder, its ar_len and its I/O
+    specs (names, dtypes, shapes, encodings) as :class:`npuq.runtime.ort.OrtGraph` uses them."""
+    from npuq.models.config import ModelConfig
+
+    folder = Path(folder)
+    where, again = f"--onnx {folder}", "export the artifact again"
+    if not (folder / "manifest.json").is_file():
+        raise NpuqError(f"{where}: no manifest.json; is this an `npuq export` folder?")
+    manifest = read_json(folder / "manifest.json", where, again)
+    if not isinstance(manifest, dict) or manifest.get("format") != EXPORT_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise NpuqError(f"{where}: manifest format {found!r:.60} is not {EXPORT_FORMAT!r}; {again} with this npuq")
+    try:
+        ModelConfig.from_dict(manifest.get("model_config"))
+    except NpuqError as exc:
+        raise NpuqError(f"{where}: manifest.json is invalid ({exc}); {again}") from None
+    context = manifest.get("context")
+    if not _whole(context) or context < 2:
+        raise NpuqError(f"{where}: context {context!r:.40} is not a whole number of at least 2; {again}")
+    for key in ("target", "tokenizer"):
+        if not isinstance(manifest.get(key, {}), dict):
+            raise NpuqError(f"{where}: {key!r} is not an object; {again}")
+    arch = manifest.get("target", {}).get("htp_arch")
+    if arch is not None and not _whole(arch):
+        raise NpuqError(f"{where}: target htp_arch {arch!r:.40} is not a whole number; {again}")
+    for key in ("model", "source"):
+        value = manifest.get("tokenizer", {}).get(key)
+        if value is not None and not isinstance(value, str):
+            raise NpuqError(f"{where}: tokenizer {key} {value!r:.40} is not a string; {again}")
+    graphs = manifest.get("graphs")
+    if not isinstance(graphs, dict) or not graphs:
+        raise NpuqError(f"{where}: 'graphs' is missing or empty; {again}")
+    seen = set()
+    for kind, entry in graphs.items():
+        at = f"{where}, graph {kind!s:.40}"
+        if not isinstance(entry, dict):
+            raise NpuqError(f"{at}: not an object; {again}")
+        path = resolve_inside(folder, entry.get("file"), at)
+        if not path.is_file():
+            raise NpuqError(f"{at}: {entry['file']} is missing; {again}")
+        if entry.get("external_data") is not None:
+            resolve_inside(folder, entry["external_data"], at)
+        ar_len = entry.get("ar_len")
+        if not _whole(ar_len) or not 1 <= ar_len <= context or ar_len in seen:
+            raise NpuqError(f"{at}: ar_len {ar_len!r:.40} is not a distinct whole number from 1 to {context}; {again}")
+        seen.add(ar_len)
+        for side in ("inputs", "outputs"):
+            specs = entry.get(side)
+            if not isinstance(specs, list) or not specs:
+                raise NpuqError(f"{at}: {side} missing or empty; {again}")
+            for spec in specs:
+                _check_io_spec(spec, f"{at} {side}", again)
+    return manifest
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _numbers(v: Any, check) -> bool:
+    """A number, or a non-empty list of numbers, each passing ``check``."""
+    values = v if isinstance(v, list) and v else [v]
+    return all(isinstance(x, (int, float)) and not isinstance(x, bool) and check(x) for x in values)
+
+
+def _check_io_spec(spec: Any, where: str, again: str) -> None:
+    import math
+
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise NpuqError(f"{where}: an entry has no name; {again}")
+    at = f"{where} {spec['name'][:60]}"
+    if spec.get("dtype") not in _IO_DTYPES:
+        raise NpuqError(f"{at}: dtype {spec.get('dtype')!r:.40} is not one of {', '.join(_IO_DTYPES)}; {again}")
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or not all(_whole(d) and d >= 0 for d in shape):
+        raise NpuqError(f"{at}: shape {shape!r:.60} is not a list of sizes; {again}")
+    enc = spec.get("encoding")
+    if enc is None:
+        return
+    ok = (isinstance(enc, dict) and enc.get("dtype") in _IO_DTYPES
+          and _whole(enc.get("qmin")) and _whole(enc.get("qmax")) and enc["qmin"] < enc["qmax"]
+          and _numbers(enc.get("scale"), lambda x: math.isfinite(x) and x > 0)
+          and _numbers(enc.get("zero_point"), lambda x: float(x).is_integer() and enc["qmin"] <= x <= enc["qmax"]))
+    if not ok:
+        raise NpuqError(f"{at}: its encoding needs dtype, qmin < qmax, scale > 0 and zero_point within [qmin, qmax]; "
+                        f"{again}")

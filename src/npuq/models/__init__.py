@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from npuq.errors import ModelLoadError
 from npuq.models.config import ModelConfig, config_from_hf
 from npuq.models.decoder import StaticDecoder, rope_tables
 from npuq.models.sources import BUILTINS, read_gguf, read_hf_folder, resolve
@@ -28,7 +29,9 @@ class LoadedModel:
 
     @functools.cached_property
     def tokenizer(self) -> Any:
-        return self._tokenizer_factory()
+        tokenizer = self._tokenizer_factory()
+        check_tokenizer_vocab(tokenizer, self.config.vocab_size, self.source)
+        return tokenizer
 
     def info(self) -> dict[str, Any]:
         cfg = self.config
@@ -49,6 +52,24 @@ class LoadedModel:
             "sliding_window_layers": sum(t == "sliding" for t in cfg.layer_types),
             "nope_layers": sum(not r for r in cfg.use_rope),
         }
+
+
+def check_tokenizer_vocab(tokenizer: Any, vocab_size: int, source: str) -> None:
+    """Refuse a tokenizer that can produce ids the model has no embedding row for.
+
+    A tokenizer smaller than the config's ``vocab_size`` is normal (tables padded to a multiple
+    of 64 or 128, e.g. Qwen2.5's 151936 rows for 151665 tokens); a larger one is a tokenizer
+    from another checkpoint, and its extra ids would fail deep inside the embedding gather.
+    """
+    if tokenizer is None:
+        return
+    size = len(tokenizer)  # includes added tokens, which the tokenizer also emits
+    if size > vocab_size:
+        raise ModelLoadError(
+            f"{source}: the tokenizer has {size} tokens but the model's vocab_size is {vocab_size}, so ids "
+            f"{vocab_size} to {size - 1} have no embedding row; use the tokenizer files saved with these weights "
+            "(or correct vocab_size in config.json if the weights really have more rows)"
+        )
 
 
 def undo_norm_offset(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -78,6 +99,10 @@ def load_model(spec: str, max_context: int | None = None) -> LoadedModel:
     kind, path = resolve(spec)
     hf_config, tensors, tokenizer = read_gguf(path) if kind == "gguf" else read_hf_folder(path)
     cfg = config_from_hf(hf_config)
+    if max_context is not None and max_context > max(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT):
+        # refused before RoPE tables that long are allocated (--context 10**12 would ask for terabytes)
+        raise ModelLoadError(f"--context {max_context} exceeds the model's limit of {cfg.max_position_embeddings} "
+                             f"tokens (max_position_embeddings): use at most {cfg.max_position_embeddings}")
     if kind == "hf":
         tensors = undo_norm_offset(cfg, tensors)
     model = build_decoder(cfg, tensors, str(path), max_context)

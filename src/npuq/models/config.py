@@ -23,6 +23,9 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 
+MAX_LAYERS = 4096  # far above any supported checkpoint (Llama 3.1 405B has 126)
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding of one layer type. ``kind`` is "default" or "llama3" (Llama 3.x scaling)."""
@@ -78,6 +81,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ModelLoadError(f"config {name} must be a positive whole number, got {value!r}")
+        if self.num_layers > MAX_LAYERS:  # per-layer tuples below would take gigabytes
+            raise ModelLoadError(f"config num_layers {self.num_layers} is implausible (at most {MAX_LAYERS}); "
+                                 "is the config damaged?")
         if not (isinstance(self.rms_norm_eps, float) and 0 < self.rms_norm_eps < 1):
             raise ModelLoadError(f"config rms_norm_eps must be a small positive number, got {self.rms_norm_eps!r}")
         if self.arch not in SUPPORTED_MODEL_TYPES.values():
@@ -112,13 +118,61 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        data = dict(data)
-        data["rope"] = RopeConfig(**data["rope"])
-        if data.get("local_rope"):
-            data["local_rope"] = RopeConfig(**data["local_rope"])
+        """The inverse of :meth:`to_dict`, for a config read back from an artifact or an export
+        manifest: a wrong key, type or value is a :class:`ModelLoadError`."""
+        data = dict(_checked_fields(cls, data, "model_config"))
+        if "rope" in data:
+            data["rope"] = RopeConfig(**_checked_fields(RopeConfig, data["rope"], "model_config rope"))
+        if data.get("local_rope") is not None:
+            data["local_rope"] = RopeConfig(**_checked_fields(RopeConfig, data["local_rope"], "model_config local_rope"))
         data["layer_types"] = tuple(data.get("layer_types", ()))
         data["use_rope"] = tuple(data.get("use_rope", ()))
+        if any(t not in ("full", "sliding") for t in data["layer_types"]):
+            raise ModelLoadError(f"model_config layer_types must be 'full' or 'sliding', got {list(data['layer_types'])}")
         return cls(**data)
+
+
+# Annotation (as written above) → the JSON values it admits; bool is not an int here.
+_JSON_TYPES: dict[str, Any] = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "RopeConfig": lambda v: isinstance(v, dict),
+    "tuple[str, ...]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+    "tuple[bool, ...]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, bool) for x in v),
+}
+
+_WORDS = {"int": "a whole number", "float": "a finite number", "bool": "true or false", "str": "a string",
+          "RopeConfig": "an object", "tuple[str, ...]": "a list of strings", "tuple[bool, ...]": "a list of true/false",
+          "None": "null"}
+
+
+def _checked_fields(cls: type, data: Any, where: str) -> dict[str, Any]:
+    """``data`` if it is an object whose keys are fields of ``cls`` with values of their types."""
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{where} must be a JSON object, got {type(data).__name__}")
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in set(data) - set(fields))
+    if unknown:
+        raise ModelLoadError(f"{where} has unknown key(s) {', '.join(unknown)}; it was written by another npuq version")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ModelLoadError(f"{where} lacks {', '.join(missing)}; the file is incomplete")
+    for name, value in data.items():
+        kinds = [k.strip() for k in str(fields[name]).split("|")]
+        if value is None and "None" in kinds:
+            continue
+        if not any(_JSON_TYPES[k](value) for k in kinds if k != "None"):
+            wanted = " or ".join(_WORDS.get(k, k) for k in kinds)
+            raise ModelLoadError(f"{where} {name} must be {wanted}, got {value!r:.60}")
+    out = dict(data)
+    for name, value in out.items():  # a float field given as a JSON integer (1 for 1.0)
+        if str(fields[name]).split("|")[0].strip() == "float" and isinstance(value, int):
+            out[name] = float(value)
+    return out
 
 
 def _rope_from_params(params: dict[str, Any] | None, default_theta: float = 10000.0) -> RopeConfig:

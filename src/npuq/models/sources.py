@@ -102,10 +102,12 @@ def read_hf_folder(folder: Path) -> tuple[Any, dict[str, torch.Tensor], Callable
         raise ModelLoadError(f"{folder}: no config.json; a Hugging Face model folder needs config.json + *.safetensors")
     try:
         raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # ValueError: JSONDecodeError, 4300+ digits
         raise ModelLoadError(f"{config_file}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_file}: holds {type(raw).__name__}, not a JSON object; use the model's config.json")
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES and model_type != "gemma3":
+    if not isinstance(model_type, str) or (model_type not in SUPPORTED_MODEL_TYPES and model_type != "gemma3"):
         raise UnsupportedArchitecture(
             f"{config_file}: model type {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )

@@ -57,3 +57,24 @@ def tiny_decoder(name: str, seed: int = 0, max_context: int = 64):
     cfg = config_from_hf(hf.config)
     tensors = undo_norm_offset(cfg, {_hf_name(k): v for k, v in hf.state_dict().items()})
     return hf, build_decoder(cfg, tensors, f"tiny-{name}", max_context)
+
+
+def save_tiny_hf_folder(folder: Any, name: str = "llama", seed: int = 0, words: int = 200) -> Any:
+    """Write a loadable Hugging Face folder (safetensors + a word-level tokenizer over the words
+    ``w0`` … ``w{words-1}``) of the tiny ``name`` model, for end-to-end CLI tests."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    vocab_size = TINY_CONFIGS[name][1]["vocab_size"]
+    if words + 3 > vocab_size:
+        raise ValueError(f"{words} words and 3 special tokens exceed the vocabulary of {vocab_size}")
+    tiny_hf_model(name, seed).save_pretrained(folder, safe_serialization=True)
+    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, **{f"w{i}": i + 3 for i in range(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                            unk_token="<unk>").save_pretrained(folder)
+    return folder

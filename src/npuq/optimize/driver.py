@@ -6,29 +6,50 @@ gate/up, share one), searches the scales and rounds the weights layer by layer, 
 rounded weights back as float values that lie exactly on the chosen grid. The returned scales
 are what the PT2E weight observers must report, so the artifact carries exactly these
 integers (per-channel or per-block int4/int8, unchanged format).
+
+Everything runs where the model is (Gram matrices, search, rounding); the windows move there.
+The returned scales and codes are CPU tensors, whatever device computed them.
+
+Layer inputs come from the float model (``inputs="float"``: one forward, every Gram at once) or
+from the model being quantized (``inputs="quantized"``, as GPTQ's reference code does): the
+decoder is walked block by block on cached hidden states, and within a block group by group
+(q/k/v, o, gate/up, down, then the lm head), so each group's Gram matrix is collected after
+every group before it has been rounded and written back. A group's collection pass stops at
+the group's last input (a cheap exception), and each block's output is computed once, so the
+whole walk costs a few forwards, not one per layer.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from npuq.device import device_of
 from npuq.optimize.gptq import gptq_codes
-from npuq.optimize.seqmse import GramFactor, minmax_scale, quantize_codes, seq_mse_search
+from npuq.optimize.seqmse import GramFactor, lpbq_scale, minmax_scale, quantize_codes, seq_mse_search
 
 ROUNDINGS = ("nearest", "gptq")
+INPUTS = ("float", "quantized")
 
 
 @dataclass(frozen=True)
 class WeightSpec:
-    """How one linear layer's weight is quantized: symmetric, ``bits`` wide, per channel or block."""
+    """How one linear layer's weight is quantized: symmetric, ``bits`` wide, per channel or block.
+
+    ``scale_bits`` set: LPBQ blocks, whose scales follow the backend's rule from the float
+    weights (:func:`lpbq_scale`, floor ``eps``); SeqMSE then searches one multiplier of each
+    channel's base scale (the LPBQ form is kept).
+    """
 
     bits: int
     block_size: int | None = None
+    scale_bits: int | None = None
+    eps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -40,7 +61,8 @@ class OptimizedWeight:
 
 
 def collect_grams(model: nn.Module, windows: Iterable[torch.Tensor], names: list[str]) -> tuple[dict[str, int], list[torch.Tensor]]:
-    """Accumulate XᵀX (I, I) of each named linear layer's input over ``windows`` (each (B, T) tokens).
+    """Accumulate XᵀX (I, I) of each named linear layer's input over ``windows`` (each (B, T) tokens),
+    on the model's device.
 
     Returns (layer → group index, Gram per group). Consecutive layers called on the very same
     tensor (q/k/v, gate/up) form one group and their input is counted once.
@@ -59,7 +81,7 @@ def collect_grams(model: nn.Module, windows: Iterable[torch.Tensor], names: list
             if name not in group_of:
                 group_of[name] = last["group"] if shared else len(grams)
                 if not shared:
-                    grams.append(torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float64))
+                    grams.append(torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float64, device=x.device))
             if not shared:
                 flat = x.detach().reshape(-1, x.shape[-1]).double()
                 grams[group_of[name]].addmm_(flat.T, flat)
@@ -67,11 +89,12 @@ def collect_grams(model: nn.Module, windows: Iterable[torch.Tensor], names: list
 
         return fn
 
+    device = device_of(model)
     handles = [modules[n].register_forward_pre_hook(hook(n)) for n in names]
     try:
         for tokens in windows:
             last["input"] = None
-            forward_logits(model, tokens)
+            forward_logits(model, tokens.to(device))
     finally:
         last["input"] = None
         for h in handles:
@@ -80,6 +103,225 @@ def collect_grams(model: nn.Module, windows: Iterable[torch.Tensor], names: list
     if missing:
         raise ValueError(f"layers never ran during calibration: {', '.join(missing[:3])}")
     return group_of, [g.float() for g in grams]
+
+
+class _Stop(Exception):
+    """Ends a forward early: the hooks have seen what they need."""
+
+
+@contextmanager
+def _identity_layers(model: nn.Module, record: list):
+    """Replace each decoder block's forward by the identity that appends (block index, args,
+    kwargs) to ``record``; the forward stops before the final norm (nothing after it is needed)."""
+    layers = list(model.layers)
+
+    def stub(i):
+        def forward(h, *args, **kwargs):
+            record.append((i, h, args, kwargs))
+            return (h, None, None)
+
+        return forward
+
+    def stop(_module, _args):
+        raise _Stop
+
+    for i, layer in enumerate(layers):
+        layer.forward = stub(i)
+    handle = model.norm.register_forward_pre_hook(stop)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for layer in layers:
+            del layer.forward
+
+
+def _block_inputs(model: nn.Module, windows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[tuple]]]:
+    """(hidden state entering block 0 per window, [per block: (args, kwargs) after the hidden
+    state, per window]), from one forward whose blocks are the identity: the embedding, RoPE
+    tables and masks are exactly what the model's own forward gives each block."""
+    from npuq.runtime.runner import forward_logits
+
+    hidden: list[torch.Tensor] = []
+    extra: list[list[tuple]] = [[] for _ in model.layers]
+    for tokens in windows:
+        record: list = []
+        with _identity_layers(model, record):
+            try:
+                forward_logits(model, tokens)
+            except _Stop:
+                pass
+        hidden.append(record[0][1])
+        for i, _h, args, kwargs in record:
+            extra[i].append((args, kwargs))
+    return hidden, extra
+
+
+def _collect_group(
+    modules: dict[str, nn.Module], pending: list[str], run: Callable[[int], object], n_windows: int,
+    reference: Callable[[int, str], torch.Tensor] | None = None,
+) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:
+    """The next group of ``pending`` layers to run, its Gram matrix XᵀX and (with ``reference``)
+    the cross matrix XᵀX_ref, both float64.
+
+    The group is the first pending layer called in a forward plus the pending layers called
+    right after it on the very same tensor (q/k/v, gate/up). ``run(w)`` runs window w; its
+    forward stops once the group's input is seen (at the next pending layer, or when every
+    pending layer belongs to the group). ``reference(w, name)`` gives the input X_ref that
+    layer ``name`` sees in window w in the float model.
+    """
+    state: dict = {}
+    found: list[str] = []
+    sums: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def fn(_module, args):
+            if state["reference"]:  # the reference forward may run these very modules (the lm head)
+                return
+            x = args[0]
+            if state["x"] is None:
+                state["x"] = x.detach()
+            elif x is not state["x"]:
+                raise _Stop
+            state["members"].append(name)
+            if len(state["members"]) == len(pending):
+                raise _Stop
+
+        return fn
+
+    def accumulate(key, a, b):
+        if key not in sums:
+            sums[key] = torch.zeros(a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
+        sums[key].addmm_(a.T, b)
+
+    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in pending]
+    try:
+        for w in range(n_windows):
+            state.update(x=None, members=[], reference=False)
+            try:
+                with torch.no_grad():
+                    run(w)
+            except _Stop:
+                pass
+            if w == 0:
+                found = list(state["members"])
+                if not found:
+                    raise ValueError(f"layers never ran during calibration: {', '.join(pending[:3])}")
+            elif state["members"] != found:
+                raise RuntimeError(f"layers ran in a different order in calibration window {w}: "
+                                   f"{state['members']} instead of {found}")
+            flat = state["x"].reshape(-1, state["x"].shape[-1]).double()
+            state["x"] = None
+            accumulate("gram", flat, flat)
+            if reference is not None:
+                state["reference"] = True
+                with torch.no_grad():
+                    ref = reference(w, found[0])
+                accumulate("cross", flat, ref.reshape(-1, ref.shape[-1]).double())
+    finally:
+        for h in handles:
+            h.remove()
+    return found, sums["gram"], sums.get("cross")
+
+
+def _input_of(module: nn.Module, run: Callable[[], object]) -> torch.Tensor:
+    """The input ``module`` gets when ``run()`` runs (the forward stops there)."""
+    seen = []
+
+    def fn(_module, args):
+        seen.append(args[0].detach())
+        raise _Stop
+
+    handle = module.register_forward_pre_hook(fn)
+    try:
+        run()
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise RuntimeError("the reference forward never reached the layer")
+    return seen[0]
+
+
+def sequential_groups(
+    model: nn.Module, windows: Iterable[torch.Tensor], names: list[str], float_reference: bool = False,
+) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor | None]]:
+    """Yield (group of layers, Gram matrix X̃ᵀX̃ (I, I), cross matrix X̃ᵀX or None) in execution
+    order, float32, X̃ the inputs the model *as it stands* gives that group.
+
+    The caller rewrites a group's weights before asking for the next group, so every Gram sees
+    the rounding of all groups before it. The decoder blocks run one at a time on hidden
+    states cached per window; the lm head (and any layer outside the blocks) comes last, on the
+    final norm of the last block's output. ``float_reference`` also runs a float copy of each
+    block on float hidden states for the float inputs X of the cross matrix.
+    """
+    import copy
+
+    from npuq.device import device_of
+
+    device = device_of(model)
+    windows = [w.to(device) for w in windows]
+    modules = dict(model.named_modules())
+    path_of = {id(m): p for p, m in modules.items()}
+    hidden, extra = _block_inputs(model, windows)
+    float_hidden = list(hidden)
+    left = list(names)
+    for i, layer in enumerate(model.layers):
+        prefix = path_of[id(layer)] + "."
+        pending = [n for n in left if n.startswith(prefix)]
+        # The float reference of this block: a copy taken before any of its layers is rounded.
+        ref_layer = copy.deepcopy(layer) if float_reference and pending else layer
+
+        def run(w, layer=layer, i=i, states=None):
+            args, kwargs = extra[i][w]
+            return layer((hidden if states is None else states)[w], *args, **kwargs)
+
+        def reference(w, name, i=i, ref_layer=ref_layer):
+            module = ref_layer.get_submodule(name[len(prefix):])
+            return _input_of(module, lambda: run(w, ref_layer, i, float_hidden))
+
+        while pending:
+            group, gram, cross = _collect_group(modules, pending, run, len(windows),
+                                                reference if float_reference else None)
+            yield group, gram.float(), None if cross is None else cross.float()
+            pending = [n for n in pending if n not in group]
+            left = [n for n in left if n not in group]
+        with torch.no_grad():
+            hidden = [run(w)[0] for w in range(len(windows))]
+            if float_reference:
+                float_hidden = [run(w, ref_layer, i, float_hidden)[0] for w in range(len(windows))]
+            else:
+                float_hidden = hidden
+
+    def head(w, states=None):
+        return model.lm_head(model.norm((hidden if states is None else states)[w]))
+
+    def head_reference(w, name):  # the layers outside the blocks are not rounded before they run
+        return _input_of(modules[name], lambda: head(w, float_hidden))
+
+    while left:
+        group, gram, cross = _collect_group(modules, left, head, len(windows),
+                                            head_reference if float_reference else None)
+        yield group, gram.float(), None if cross is None else cross.float()
+        left = [n for n in left if n not in group]
+
+
+def float_target_weight(weight: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """The weight W* whose output on the quantized model's inputs X̃ best matches the float
+    layer's output on the float inputs X: min ||X̃ W*ᵀ - X Wᵀ||², ridge-regularised toward W.
+
+    W* = W + W (X - X̃)ᵀ X̃ (X̃ᵀX̃ + λI)⁻¹ with λ = ``damp`` × mean diagonal; since
+    ||X̃ Qᵀ - X Wᵀ||² = ||X̃ (Q - W*)ᵀ||² + const (at λ = 0), rounding W* with the Gram X̃ᵀX̃
+    minimises the output error against the float model, earlier layers' errors included.
+    ``gram`` = X̃ᵀX̃, ``cross`` = X̃ᵀX.
+    """
+    H = gram.double()
+    I = H.shape[0]
+    H = H + torch.eye(I, dtype=H.dtype, device=H.device) * damp * torch.diagonal(H).mean().clamp_min(1e-12)
+    delta = cross.double().T - gram.double()  # (X - X̃)ᵀ X̃
+    correction = torch.linalg.solve(H, delta.T @ weight.double().T).T  # W ΔXᵀX̃ H⁻¹ (H symmetric)
+    return (weight.double() + correction).float()
 
 
 def optimize_weights(
@@ -91,34 +333,66 @@ def optimize_weights(
     rounding: str = "nearest",
     rank: int | None = 64,
     progress: bool = True,
+    inputs: str = "float",
+    gptq_options: dict | None = None,
+    float_target: bool = False,
 ) -> tuple[dict[str, OptimizedWeight], dict[str, float]]:
     """Optimise every layer in ``specs`` (module path → WeightSpec) and write its weights back.
 
     ``seq_mse`` None keeps min/max scales; ``rounding`` "gptq" replaces nearest rounding.
+    ``inputs`` "float" fits every layer to the float model's inputs; "quantized" to the inputs
+    the partly quantized model gives it (:func:`sequential_groups`). ``gptq_options`` go to
+    :func:`gptq_codes` (``damp``, ``act_order``).
     Returns (per-layer results, {"collect_seconds", "seq_mse_seconds", "rounding_seconds"}).
     """
     from tqdm import tqdm
 
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if inputs not in INPUTS:
+        raise ValueError(f"inputs must be one of {INPUTS}, got {inputs!r}")
     timings = {"collect_seconds": 0.0, "seq_mse_seconds": 0.0, "rounding_seconds": 0.0}
-    start = time.perf_counter()
     names = list(specs)
-    group_of, grams = collect_grams(model, windows, names)
-    timings["collect_seconds"] = time.perf_counter() - start
+    if inputs == "float":
+        start = time.perf_counter()
+        group_of, grams = collect_grams(model, windows, names)
+        timings["collect_seconds"] = time.perf_counter() - start
+        stages: Iterator = ((name, grams[group_of[name]], group_of[name], None) for name in names)
+    else:
+        stages = ((name, gram, g, cross) for g, (group, gram, cross)
+                  in enumerate(sequential_groups(model, windows, names, float_target)) for name in group)
     factors: dict[int, GramFactor] = {}
     modules = dict(model.named_modules())
     results: dict[str, OptimizedWeight] = {}
-    for name in tqdm(names, desc="weights", unit="layer", disable=not progress, leave=False):
+    bar = tqdm(total=len(names), desc="weights", unit="layer", disable=not progress, leave=False)
+    while True:
+        t = time.perf_counter()
+        stage = next(stages, None)  # with quantized inputs: runs the next collection pass
+        if inputs == "quantized":
+            timings["collect_seconds"] += time.perf_counter() - t
+        if stage is None:
+            break
+        name, gram, group, cross = stage
         spec = specs[name]
         weight = modules[name].weight.detach().float()
-        gram = grams[group_of[name]]
+        if cross is not None:
+            weight = float_target_weight(weight, gram, cross, **({"damp": gptq_options["damp"]}
+                                                                  if gptq_options and "damp" in gptq_options else {}))
         t0 = time.perf_counter()
-        if seq_mse:
+        if spec.scale_bits is not None:  # LPBQ: block scales by the backend's rule, SeqMSE scales each channel's base
+            scale = lpbq_scale(weight, spec.bits, spec.block_size, spec.scale_bits, spec.eps)
+            loss_minmax = float("nan")
+            if seq_mse:
+                if group not in factors:
+                    factors[group] = GramFactor.from_gram(gram, rank)
+                found = seq_mse_search(weight, factors[group], spec.bits, seq_mse, granularity, spec.block_size, rank,
+                                       block_scale=scale)
+                scale, loss_minmax = found.scale, found.loss_minmax
+        elif seq_mse:
             if spec.block_size is None:
-                if group_of[name] not in factors:
-                    factors[group_of[name]] = GramFactor.from_gram(gram, rank)
-                source = factors[group_of[name]]
+                if group not in factors:
+                    factors[group] = GramFactor.from_gram(gram, rank)
+                source = factors[group]
             else:
                 source = gram
             found = seq_mse_search(weight, source, spec.bits, seq_mse, granularity, spec.block_size, rank)
@@ -128,7 +402,7 @@ def optimize_weights(
             loss_minmax = float("nan")
         t1 = time.perf_counter()
         if rounding == "gptq":
-            codes = gptq_codes(weight, gram, scale, spec.bits)
+            codes = gptq_codes(weight, gram, scale, spec.bits, **(gptq_options or {}))
         else:
             codes = quantize_codes(weight, scale, spec.bits).to(torch.int8)
         t2 = time.perf_counter()
@@ -142,7 +416,9 @@ def optimize_weights(
             loss_minmax = torch.einsum("oi,ij,oj->", nearest, gram, nearest).item()
         with torch.no_grad():
             modules[name].weight.copy_(dequant)
-        results[name] = OptimizedWeight(scale, codes, loss_minmax, loss)
+        results[name] = OptimizedWeight(scale.cpu(), codes.cpu(), loss_minmax, loss)
+        bar.update(1)
+    bar.close()
     return results, timings
 
 

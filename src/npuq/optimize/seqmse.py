@@ -13,7 +13,8 @@ and the per-channel search also scores the layer-level optimum, so `channel` nev
 than `layer` on the calibration loss.
 
 For speed the loss may use a low-rank-plus-diagonal approximation of H (its top ``rank``
-eigen-directions exactly, the rest through the diagonal); ``rank=None`` is exact.
+eigen-directions exactly, the rest through the diagonal); ``rank=None`` is exact. The search
+runs on the device of the weight and the Gram matrix.
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ def minmax_scale(weight: torch.Tensor, bits: int, block_size: int | None = None)
     """Symmetric min/max scale per output channel (O,) or per block (O, I / block_size)."""
     w = weight if block_size is None else weight.view(weight.shape[0], -1, block_size)
     return (w.abs().amax(dim=-1) / qmax_for(bits)).clamp_min(1e-12)
+
+
+def lpbq_scale(weight: torch.Tensor, bits: int, block_size: int, scale_bits: int = 4, eps: float = 0.0) -> torch.Tensor:
+    """LPBQ block scales (O, I / block_size): each block's min/max scale (at least ``eps``)
+    re-quantized against a per-channel base, base_c · k_cb with base_c = max_b s_cb / 2**scale_bits
+    and k_cb = ceil(s_cb / base_c) in 1 .. 2**scale_bits (rounding up never clips a weight).
+    The rule of npuq.quant.observers.LpbqPerChannelObserver, as a pure function."""
+    steps = 2**scale_bits
+    block = (weight.view(weight.shape[0], -1, block_size).abs().amax(dim=-1) / qmax_for(bits)).clamp_min(eps)
+    base = block.amax(dim=1) / steps
+    k = torch.clamp(torch.ceil(block / base[:, None] - 1e-6), 1, steps)
+    return base[:, None] * k
 
 
 def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
@@ -69,7 +82,7 @@ class GramFactor:
             d = (torch.diagonal(gram.float()) - (a * a).sum(1)).clamp_min(0)
         else:
             a = evecs * evals.sqrt()
-            d = torch.zeros(gram.shape[0])
+            d = torch.zeros(gram.shape[0], device=gram.device)
         return cls(a.float(), d.float())
 
     def loss(self, err: torch.Tensor) -> torch.Tensor:
@@ -97,13 +110,19 @@ def _unit_losses(weight, base_scale, mult, bits, factors, block_size, chunk_elem
     """Loss per unit for each row of candidate multipliers mult (K, *scale_shape) → (K, *scale_shape).
 
     Candidates are processed a few at a time so the error buffer stays cache-sized (~8 MB):
-    16x faster than one large buffer on a 2-core machine.
+    16x faster than one large buffer on a 2-core machine. Fixed block scales ``base_scale``
+    (O, nb) with one multiplier per channel (mult (K, O)) are scored with the whole H.
     """
     O, I = weight.shape
     qmax = qmax_for(bits)
     step = max(1, chunk_elems // (O * I))
     out = []
     for start in range(0, mult.shape[0], step):
+        if base_scale.dim() == 2 and mult.dim() == 2:  # LPBQ: (k, O, nb, 1), whole channels scored
+            s = (base_scale.unsqueeze(0) * mult[start : start + step].unsqueeze(-1)).unsqueeze(-1)
+            err = _rounding_error(weight.view(1, O, base_scale.shape[1], -1), s, qmax)  # (k, O, nb, B)
+            out.append(factors.loss(err.flatten(2)))  # (k, O)
+            continue
         s = (base_scale.unsqueeze(0) * mult[start : start + step]).unsqueeze(-1)  # (k, O, 1) or (k, O, nb, 1)
         if block_size is None:
             err = _rounding_error(weight.unsqueeze(0), s, qmax)  # (k, O, I)
@@ -117,7 +136,7 @@ def _unit_losses(weight, base_scale, mult, bits, factors, block_size, chunk_elem
 
 def _fine_grid(center: torch.Tensor, n: int) -> torch.Tensor:
     """n points within ±1/n of each center (any shape), clipped to [0.001, 1] → (n, *center.shape)."""
-    offsets = torch.linspace(-1.0 / n, 1.0 / n, n).view(n, *([1] * center.dim()))
+    offsets = torch.linspace(-1.0 / n, 1.0 / n, n, device=center.device).view(n, *([1] * center.dim()))
     return (center.unsqueeze(0) + offsets).clamp(0.001, 1.0)
 
 
@@ -129,19 +148,25 @@ def seq_mse_search(
     granularity: str = "channel",
     block_size: int | None = None,
     rank: int | None = None,
+    block_scale: torch.Tensor | None = None,
 ) -> SearchResult:
     """Search scale multipliers for ``weight`` (O, I) given the input Gram matrix ``gram`` (I, I).
 
     ``granularity`` "layer" picks one multiplier for the whole tensor (the published method),
     "channel" one per output channel (per block when ``block_size`` is set).
+    ``block_scale`` (O, I / block): fixed block scales in LPBQ form (:func:`lpbq_scale`); one
+    multiplier per channel ("channel") or per tensor ("layer") scales each channel's base, so
+    the result keeps the form (base_c · m_c) · k_cb. The multipliers then have shape (O,).
     """
     if candidates < 1:
         raise ValueError(f"candidates must be at least 1, got {candidates}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     weight = weight.detach().float()
-    base = minmax_scale(weight, bits, block_size)
-    if isinstance(gram, GramFactor):  # layers reading the same input (q/k/v, gate/up) share one
+    base = minmax_scale(weight, bits, block_size) if block_scale is None else block_scale.float()
+    if block_scale is not None:
+        factors = gram if isinstance(gram, GramFactor) else GramFactor.from_gram(gram, rank)
+    elif isinstance(gram, GramFactor):  # layers reading the same input (q/k/v, gate/up) share one
         if block_size is not None:
             raise ValueError("block granularity needs the Gram matrix, not a factor")
         factors = gram
@@ -158,11 +183,11 @@ def seq_mse_search(
         return _unit_losses(weight, base, mult, bits, factors, block_size)
 
     n = candidates
-    shape = base.shape
-    coarse = torch.linspace(1.0 / n, 1.0, n).view(n, *([1] * base.dim())).expand(n, *shape)
+    shape = base.shape if block_scale is None else base.shape[:1]  # the shape of the multipliers
+    coarse = torch.linspace(1.0 / n, 1.0, n, device=weight.device).view(n, *([1] * len(shape))).expand(n, *shape)
     coarse_loss = score(coarse)  # (n, *shape); the last row is m = 1, the min/max baseline
     layer_best = coarse[coarse_loss.flatten(1).sum(1).argmin(), ...].flatten()[0]
-    layer_fine = _fine_grid(layer_best, n).view(n, *([1] * base.dim())).expand(n, *shape)
+    layer_fine = _fine_grid(layer_best, n).view(n, *([1] * len(shape))).expand(n, *shape)
     layer_fine_loss = score(layer_fine)
     pool_m = torch.cat([coarse, layer_fine])
     pool_loss = torch.cat([coarse_loss, layer_fine_loss])
@@ -180,7 +205,7 @@ def seq_mse_search(
     chosen_loss = score(mult.unsqueeze(0)).sum().item()
     return SearchResult(
         multipliers=mult.clone(),
-        scale=base * mult,
+        scale=base * (mult if block_scale is None else mult.unsqueeze(1)),
         loss_minmax=coarse_loss[-1].sum().item(),
         loss=chosen_loss,
         evaluations=evaluations,

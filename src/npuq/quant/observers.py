@@ -155,23 +155,39 @@ class LpbqPerChannelObserver(PerChannelWeightObserver):
 
 
 def pin_weight_scales(gm: torch.fx.GraphModule, scales: dict[str, torch.Tensor]) -> None:
-    """Give the per-channel weight observers of the named linear layers precomputed scales.
+    """Give the weight observers of the named linear layers precomputed scales.
 
     SeqMSE and GPTQ (npuq.optimize) choose each layer's scales (O,) and write weights that lie on
     that grid; setting the observer's range to ∓scale·qmax makes ``calculate_qparams`` return
     exactly those scales, and an observer that holds a range never looks at the weight again.
+    LPBQ layers take (O, blocks) scales already in LPBQ form (base_c · k_cb, as
+    npuq.optimize.seqmse.lpbq_scale makes them): ``block_qparams`` then gives them back exactly.
     """
     pinned = set()
     for module in gm.modules():
-        if type(module) is not PerChannelWeightObserver:
+        lpbq = type(module) is LpbqPerChannelObserver
+        if type(module) is not PerChannelWeightObserver and not lpbq:
             continue
         for label in getattr(module, "observed", []):
             path = label.removesuffix(".weight")
-            if path in scales:
-                limit = scales[path].detach().float() * float(module.quant_max)  # (O,)
-                module.min_val.resize_(limit.shape).copy_(-limit)
-                module.max_val.resize_(limit.shape).copy_(limit)
-                pinned.add(path)
+            if path not in scales:
+                continue
+            scale = scales[path].detach().float()
+            if (scale.dim() == 2) != lpbq:
+                raise ValueError(f"{path}: {'LPBQ' if lpbq else 'per-channel'} weight observer given scales of shape "
+                                 f"{tuple(scale.shape)}")
+            if lpbq:
+                # block_qparams re-derives k = ceil(s_b / base - 1e-6) in float32, where s_b / base can
+                # come out a few ulps above the integer k: blocks below the channel maximum are
+                # stored 1e-5 smaller so that k comes back exactly (the scales then within 1e-6).
+                top = scale.amax(dim=1, keepdim=True)
+                shrink = torch.where(scale < top, 1 - 1e-5, 1.0)
+                module.block_absmax.resize_(scale.shape).copy_(scale * shrink * float(module.quant_max))
+                scale = top.squeeze(1)
+            limit = scale * float(module.quant_max)  # (O,)
+            module.min_val.resize_(limit.shape).copy_(-limit)
+            module.max_val.resize_(limit.shape).copy_(limit)
+            pinned.add(path)
     missing = sorted(set(scales) - pinned)
     if missing:
         raise ValueError(f"no per-channel weight observer for {', '.join(missing[:3])}")

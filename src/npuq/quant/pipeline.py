@@ -8,6 +8,10 @@
 Either way decode and prefill end with identical encodings, and each KV-cache input shares
 its observer with the matching K/V output (see npuq.quant.quantizer), so the encoding of a
 cache input equals that of the cache output the runner copies into it.
+
+Export, prepare and convert run on the CPU; only the observed graph visits ``device`` for the
+calibration forwards (observers included) and comes back before its state is copied, so the
+programs and encodings hold CPU tensors whatever device calibrated them.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
 from npuq.calibrate.graphs import export_graph
 from npuq.calibrate.transfer import copy_observer_state
 from npuq.calibrate.windows import CalibrationWindows, split_windows
+from npuq.device import device_of, is_cpu, move_graph
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
 from npuq.quant.observers import name_observers, pin_weight_scales
 from npuq.quant.quantizer import HtpQuantizer
 from npuq.quant.recipe import Recipe, RecipePlan
+from npuq.resources import available_memory, guard_calibration_batch
 from npuq.runtime.runner import StaticRunner
 from npuq.threads.scope import scope_or_keep
 
@@ -59,9 +65,16 @@ class QuantizedModel:
     def graphs(self) -> dict[int, GraphModule]:
         return {1: self.decode, self.prefill_len: self.prefill}
 
+    def to(self, device: str | torch.device) -> QuantizedModel:
+        """Move both programs to ``device`` in place (:func:`npuq.device.move_graph`); returns self."""
+        for gm in (self.decode, self.prefill):
+            move_graph(gm, device)
+        return self
+
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """LogitsFn: (B, T) → (B, T, V) from an empty cache, through prefill chunks and decode
-        steps exactly as a device runs the two programs (one sequence at a time: batch 1)."""
+        steps exactly as a device runs the two programs (one sequence at a time: batch 1).
+        Runs where ``tokens`` are; the programs must be there too (:meth:`to`)."""
         return run_programs(self.config, self.graphs(), self.context, tokens)
 
 
@@ -72,7 +85,7 @@ def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens:
         raise NpuqError(f"{tokens.shape[1]} tokens exceed the programs' context of {context}: shorten the input")
     rows = []
     for row in tokens:
-        runner = StaticRunner(cfg, graphs, context)
+        runner = StaticRunner(cfg, graphs, context, device=tokens.device)
         rows.append(runner.feed(row.tolist()))
     return torch.cat(rows, dim=0)
 
@@ -106,15 +119,20 @@ def quantize_model(
     num_threads: int = 0,
     progress: bool = False,
     weight_scales: dict[str, torch.Tensor] | None = None,
+    device: str | torch.device | None = None,
 ) -> QuantizedModel:
     """Quantize a StaticDecoder with ``recipe``, calibrated on ``tokens`` (see module docstring).
 
     ``num_threads`` > 0 runs calibration at that many torch threads (restored afterwards);
-    0 keeps the current count. ``weight_scales``: see :func:`prepare_graph`. ``stats`` of the result holds the timings and counts the CLI
-    reports.
+    0 keeps the current count. ``weight_scales``: see :func:`prepare_graph`. ``device``: where
+    the calibration forwards run (None: the CPU); the model itself must be on the CPU, where it
+    is exported. ``stats`` of the result holds the timings and counts the CLI reports.
     """
     if mode not in CALIBRATION_MODES:
         raise NpuqError(f"unknown calibration mode {mode!r}; choose one of {', '.join(CALIBRATION_MODES)}")
+    if not is_cpu(device_of(model)):
+        raise ValueError(f"the model is on {device_of(model)}: it is exported on the CPU, pass device= for calibration")
+    device = torch.device("cpu") if device is None else torch.device(device)
     if context > model.max_context:
         raise NpuqError(f"--context {context} exceeds the {model.max_context} positions the model was prepared for")
     prefill_len = prefill_len or default_prefill_len(context)
@@ -133,17 +151,25 @@ def quantize_model(
     update = bar.update if bar is not None else None
     if num_threads < 0:
         raise NpuqError(f"thread count {num_threads} is negative: give 0 for the current count or a positive number")
+    observed = calib if calib is not None else decode
     with scope_or_keep(num_threads) as threads:
         try:
-            if calib is not None:
-                calibrate_onepass(calib, cfg, windows, batch_size, update)
-                copy_observer_state(calib, decode)
+            if not is_cpu(device):
+                move_graph(observed, device)
+            data = windows.to(device)  # the same tensors on the CPU
+            if calib is not None:  # fewer windows per forward if the memory estimate says so
+                batch_size = guard_calibration_batch(cfg, context, batch_size, available_memory(device)).batch
+                calibrate_onepass(calib, cfg, data, batch_size, update)
             else:
-                calibrate_sequential(decode, cfg, windows, context, update)
-            copy_observer_state(decode, prefill)
+                calibrate_sequential(decode, cfg, data, context, update)
         finally:
+            if not is_cpu(device):
+                move_graph(observed, "cpu")
             if bar is not None:
                 bar.close()
+        if calib is not None:
+            copy_observer_state(calib, decode)
+        copy_observer_state(decode, prefill)
     calibrated_at = time.perf_counter()
 
     encodings = collect_encodings(decode)
@@ -161,6 +187,8 @@ def quantize_model(
         "calibration_seconds": calibrated_at - prepared_at,
         "convert_seconds": done - calibrated_at,
         "threads": threads,
+        "device": str(device),
+        "batch_size": batch_size if calib is not None else 1,
     }
     return QuantizedModel(cfg, context, prefill_len, decode_q, prefill_q, encodings, recipe, quantizer.plan, stats)
 

@@ -20,7 +20,6 @@ Recipes load from a built-in name (:data:`RECIPES`) or a JSON file whose keys ar
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -59,6 +58,8 @@ class Rule:
         if self.op is not None and self.op not in OP_KINDS:
             raise NpuqError(f"recipe rule op {self.op!r} is not an op kind; choose one of {', '.join(OP_KINDS)}")
         if self.path is not None:
+            if not isinstance(self.path, str):
+                raise NpuqError(f"recipe rule path must be a regular expression string, got {self.path!r:.60}")
             try:
                 re.compile(self.path)
             except re.error as exc:
@@ -163,6 +164,8 @@ class Recipe:
             raise NpuqError(f"recipe {name!r}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
         if "default" not in data:
             raise NpuqError(f"recipe {name!r} has no 'default' scheme; add e.g. \"default\": \"16a8w\"")
+        if not isinstance(data.get("rules", []), list) or not isinstance(data.get("name", ""), str):
+            raise NpuqError(f"recipe {name!r}: 'rules' must be a list of objects and 'name' a string")
         rules = []
         for i, r in enumerate(data.get("rules", [])):
             if not isinstance(r, dict):
@@ -247,9 +250,8 @@ def load_recipe(spec: str | None, scheme: str | None = None, model: str = "") ->
         path = Path(spec).expanduser()
         if not path.is_file():
             raise NpuqError(f"--recipe {spec!r} is neither a built-in recipe ({', '.join(RECIPES)}) nor a JSON file")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise NpuqError(f"--recipe {spec}: not valid JSON ({exc})") from None
+        from npuq.artifact import read_json
+
+        data = read_json(path, f"--recipe {spec}", "write the recipe as a JSON object (see 'npuq quantize --help')")
         recipe = Recipe.from_dict(data, name=path.stem)
     return recipe.with_default(scheme) if scheme is not None and scheme != recipe.default else recipe

@@ -8,16 +8,16 @@ from typing import Any
 from npuq.errors import NpuqError
 
 
-def corpus_tokens(tokenizer: Any, corpus: str, n_tokens: int) -> list[int]:
-    """The first ``n_tokens`` tokens of the corpus's calib split: each document prefixed with
-    BOS (else EOS), documents concatenated in id order."""
+def corpus_tokens(tokenizer: Any, corpus: Any, n_tokens: int, split: str = "calib") -> list[int]:
+    """The first ``n_tokens`` tokens of the corpus's ``split`` (``corpus``: a spec, or documents
+    already loaded): each document prefixed with BOS (else EOS), documents concatenated in id order."""
     from npuq.data import load_corpus
 
     prefix = getattr(tokenizer, "bos_token_id", None)
     if prefix is None:
         prefix = getattr(tokenizer, "eos_token_id", None)
     ids: list[int] = []
-    for doc in load_corpus(corpus, "calib"):
+    for doc in load_corpus(corpus, split) if isinstance(corpus, str) else corpus:
         if len(ids) >= n_tokens:
             break
         body = list(tokenizer.encode(doc.target, add_special_tokens=False))
@@ -30,19 +30,25 @@ def plan_phase(calibration_mode: str) -> str:
     return "calibrate" if calibration_mode == "onepass" else "decode"
 
 
-def calibration_thread_plan(model: Any, calibration_mode: str, context: int, num_threads: int) -> Any:
+def calibration_thread_plan(model: Any, calibration_mode: str, context: int, num_threads: int,
+                            device: Any = None) -> Any:
     """The ThreadPlan for calibration: ``num_threads`` if positive, else measured (or cached)
-    on the float workload of the phase (npuq.threads, REFERENCE.md §4)."""
-    from npuq.threads import plan_threads
+    on the float workload of the phase (npuq.threads, REFERENCE.md §4); on a GPU ``device``
+    nothing is measured (:meth:`ThreadPlan.untuned`)."""
+    from npuq.device import is_cpu
+    from npuq.threads import ThreadPlan, plan_threads
     from npuq.threads.workloads import phase_workload
 
     phase = plan_phase(calibration_mode)
+    if not is_cpu(device):
+        return ThreadPlan.untuned((phase,), num_threads)
     plan, _ = plan_threads({phase: phase_workload(model, phase, context)}, num_threads)
     return plan
 
 
 def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
-    """WeightSpec of every linear layer under ``recipe`` (module path → bits, block size)."""
+    """WeightSpec of every linear layer under ``recipe`` (module path → bits, block size; LPBQ
+    layers of 16a4w_block keep the backend's block-scale rule, see npuq.optimize.driver)."""
     import torch
 
     from npuq.optimize.driver import WeightSpec
@@ -53,29 +59,46 @@ def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
         if not isinstance(module, torch.nn.Linear):
             continue
         scheme = recipe.resolve(path, "linear")[0]
-        if isinstance(scheme.weight.granularity, PerBlock):
-            raise NpuqError(
-                f"--seq-mse / --weight-rounding gptq do not apply to {path}, quantized {scheme.name} (LPBQ "
-                "block scales are derived from the weights by the backend's rule): use 16a4w, or plain "
-                "min/max and nearest rounding for 16a4w_block"
-            )
-        specs[path] = WeightSpec(bits=scheme.weight.bits)
+        g = scheme.weight.granularity
+        if isinstance(g, PerBlock):
+            specs[path] = WeightSpec(bits=scheme.weight.bits, block_size=g.size, scale_bits=g.scale_bits,
+                                     eps=scheme.weight.eps)
+        else:
+            specs[path] = WeightSpec(bits=scheme.weight.bits)
     return specs
 
 
 def optimize_for_recipe(
-    model: Any, recipe: Any, windows: Any, *, seq_mse: int | None, granularity: str, rounding: str, progress: bool
+    model: Any, recipe: Any, windows: Any, *, seq_mse: int | None, granularity: str, rounding: str, progress: bool,
+    device: Any = None, inputs: str = "float",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """SeqMSE and/or GPTQ on every linear layer of the float ``model`` (weights rewritten in
-    place on the chosen grid). Returns (module path → (O,) scales to pin, JSON summary)."""
-    from npuq.optimize.driver import optimize_weights
+    place on the chosen grid). Returns (module path → (O,) scales, or (O, blocks) for LPBQ, to
+    pin; JSON summary).
+    ``inputs``: "float" fits each layer to the float model's inputs, "quantized" to those of
+    the model with every earlier layer already rounded (npuq.optimize.driver).
+
+    On a GPU ``device`` the model visits it for the Gram collection and the search and comes
+    back to the CPU (where it is exported) with its rewritten weights."""
+    from npuq.device import is_cpu
+    from npuq.optimize.driver import INPUTS, optimize_weights
 
     if seq_mse is not None and seq_mse < 1:
         raise NpuqError(f"--seq-mse {seq_mse}: the number of candidate scales must be at least 1 (the published default is 50)")
+    if inputs not in INPUTS:
+        raise NpuqError(f"--layer-inputs {inputs!r}: choose one of {', '.join(INPUTS)}")
     specs = linear_weight_specs(model, recipe)
     rows = [row.unsqueeze(0) for row in windows.rows()]
-    results, timings = optimize_weights(model, rows, specs, seq_mse=seq_mse, granularity=granularity,
-                                        rounding=rounding, progress=progress)
+    if is_cpu(device):
+        results, timings = optimize_weights(model, rows, specs, seq_mse=seq_mse, granularity=granularity,
+                                            rounding=rounding, progress=progress, inputs=inputs)
+    else:
+        try:
+            results, timings = optimize_weights(model.to(device), rows, specs, seq_mse=seq_mse,
+                                                granularity=granularity, rounding=rounding, progress=progress,
+                                                inputs=inputs)
+        finally:
+            model.to("cpu")
     before = sum(r.loss_minmax for r in results.values())
     after = sum(r.loss for r in results.values())
     summary = {
@@ -83,6 +106,7 @@ def optimize_for_recipe(
                     "seconds": timings["seq_mse_seconds"]},
         "weight_rounding": {"method": rounding, "seconds": timings["rounding_seconds"]},
         "gram_seconds": timings["collect_seconds"],
+        "layer_inputs": inputs,
         "layers": len(results),
         "output_error_reduction": 1 - after / before if before > 0 else 0.0,
     }
@@ -107,29 +131,41 @@ def quantize_to_artifact(
     seq_mse: int | None = None,
     seq_mse_granularity: str = "channel",
     weight_rounding: str = "nearest",
+    device: str = "cpu",
+    layer_inputs: str = "float",
 ) -> tuple[dict[str, Any], str]:
     """Quantize ``model`` and write the artifact; returns (JSON result, recipe summary).
 
     ``seq_mse`` N searches N candidate weight scales per layer (npuq.optimize.seqmse);
-    ``weight_rounding`` "gptq" rounds with error compensation instead of to nearest.
+    ``weight_rounding`` "gptq" rounds with error compensation instead of to nearest;
+    ``layer_inputs`` "quantized" fits both to the partly quantized model's own layer inputs.
+    ``device`` (auto, cpu, cuda, cuda:N; :func:`npuq.device.resolve_device`) runs the Gram
+    collection, the search and the calibration forwards; the artifact holds CPU tensors.
     """
+    from npuq.device import resolve_device
     from npuq.models import load_model
     from npuq.quant.artifact import check_destination, save_artifact, weights_sha256
     from npuq.quant.pipeline import CALIBRATION_MODES, quantize_model
     from npuq.quant.recipe import load_recipe
 
     start = time.perf_counter()
+    target = resolve_device(device)  # before any work: a missing GPU is a one-line error
     if calibration_mode not in CALIBRATION_MODES:
         raise NpuqError(f"unknown --calibration-mode {calibration_mode!r}; choose one of {', '.join(CALIBRATION_MODES)}")
     check_destination(out, force)  # cheap checks first: the model takes seconds to load
     chosen = load_recipe(recipe, scheme, model)
     if calib_tokens < context:
         raise NpuqError(f"--calib-tokens {calib_tokens} is less than one window of --context {context}: raise it or lower the context")
+    if prefill_len is not None and not 1 <= prefill_len < context:
+        raise NpuqError(f"--prefill-len {prefill_len} must be at least 1 and below --context {context}")
+    from npuq.data.corpora import load_corpus, replaced_characters
+
+    documents = load_corpus(corpus, "calib")  # an empty or missing corpus fails before the model loads
     loaded = load_model(model, max_context=context if context > 4096 else None)
     if context > loaded.config.max_position_embeddings:
         raise NpuqError(f"--context {context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
-    tokens = corpus_tokens(loaded.tokenizer, corpus, calib_tokens)
-    plan = calibration_thread_plan(loaded.model, calibration_mode, context, num_threads)
+    tokens = corpus_tokens(loaded.tokenizer, documents, calib_tokens)
+    plan = calibration_thread_plan(loaded.model, calibration_mode, context, num_threads, target)
     weight_scales, optimized = None, None
     if seq_mse is not None or weight_rounding != "nearest":
         from npuq.calibrate.windows import split_windows
@@ -137,18 +173,22 @@ def quantize_to_artifact(
         with plan.scope(plan_phase(calibration_mode)):
             weight_scales, optimized = optimize_for_recipe(
                 loaded.model, chosen, split_windows(tokens, context), seq_mse=seq_mse,
-                granularity=seq_mse_granularity, rounding=weight_rounding, progress=progress,
+                granularity=seq_mse_granularity, rounding=weight_rounding, progress=progress, device=target,
+                inputs=layer_inputs,
             )
     qm = quantize_model(
         loaded.model, chosen, tokens, context=context, mode=calibration_mode, prefill_len=prefill_len,
         batch_size=batch_size, num_threads=plan.threads[plan_phase(calibration_mode)], progress=progress,
-        weight_scales=weight_scales,
+        weight_scales=weight_scales, device=target,
     )
     extra = {
         "model": {"name": model, "source": loaded.source, "weights_sha256": weights_sha256(loaded.model)},
         "calibration": {"corpus": corpus, "split": "calib", "tokens_requested": calib_tokens,
                         "tokens": qm.stats["calibration_tokens"], "mode": calibration_mode,
-                        "batch_size": batch_size, "num_threads": num_threads, "thread_plan": plan.to_dict()},
+                        "batch_size": batch_size, "batch_size_used": qm.stats["batch_size"],
+                        "replacement_characters": replaced_characters(documents),
+                        "num_threads": num_threads, "thread_plan": plan.to_dict(),
+                        "device": str(target)},
         "optimize": optimized,
     }
     path = save_artifact(qm, out, force=force, extra_config=extra)
@@ -158,8 +198,10 @@ def quantize_to_artifact(
                     "convert_seconds")
     }
     result.update(total_seconds=time.perf_counter() - start, threads=qm.stats["threads"], thread_plan=plan.to_dict(),
-                  artifact=str(path),
-                  recipe=chosen.name, context=context, prefill_len=qm.prefill_len)
+                  artifact=str(path), device=str(target),
+                  recipe=chosen.name, context=context, prefill_len=qm.prefill_len,
+                  batch_size=qm.stats["batch_size"], replacement_characters=extra["calibration"]["replacement_characters"])
     if optimized is not None:
-        result.update(seq_mse=optimized["seq_mse"], weight_rounding=optimized["weight_rounding"])
+        result.update(seq_mse=optimized["seq_mse"], weight_rounding=optimized["weight_rounding"],
+                      layer_inputs=optimized["layer_inputs"])
     return result, qm.plan.summary() if qm.plan is not None else ""

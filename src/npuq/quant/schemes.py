@@ -172,5 +172,5 @@ SCHEMES: dict[str, Scheme] = {
 def get_scheme(name: str) -> Scheme:
     try:
         return SCHEMES[name]
-    except KeyError:
-        raise NpuqError(f"unknown scheme {name!r}; choose one of {', '.join(SCHEMES)}") from None
+    except (KeyError, TypeError):  # TypeError: a list or object from a JSON file is no name
+        raise NpuqError(f"unknown scheme {name!r:.60}; choose one of {', '.join(SCHEMES)}") from None

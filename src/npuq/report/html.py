@@ -17,6 +17,7 @@ body { font: 15px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100p
 h1 { font-size: 1.6em; margin-bottom: .2em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #d6dbe0; }
 .sub { color: #5b6670; margin-top: 0; }
 table { border-collapse: collapse; margin: .6em 0; font-variant-numeric: tabular-nums; }
+caption { caption-side: bottom; text-align: left; color: #5b6670; font-size: .92em; padding-top: .3em; }
 th, td { border: 1px solid #d6dbe0; padding: .3em .7em; text-align: left; vertical-align: top; }
 th { background: #f2f4f6; } td.num { text-align: right; }
 img { max-width: 100%; border: 1px solid #e4e8eb; margin: .5em 0; }

@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
+from npuq.device import is_cpu
 from npuq.errors import NpuqError
 from npuq.runtime.runner import StaticRunner
-from npuq.threads import plan_threads
+from npuq.threads import ThreadPlan, plan_threads
 from npuq.threads.workloads import phase_workloads
 
 
@@ -19,6 +22,7 @@ def generate(
     prefill_len: int = 32,
     num_threads: int = 0,
     graphs: dict[int, Any] | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     """Greedy continuation of ``prompt``; stops at EOS or after ``max_new_tokens``.
 
@@ -28,7 +32,11 @@ def generate(
 
     Result: text, token_ids (generated only), prefill_seconds, decode_seconds,
     tokens_per_second (decode steps per second), threads (of decode), thread_plan (per phase:
-    threads and source). ``num_threads`` > 0 runs both phases with that many; 0 tunes them.
+    threads and source), device. ``num_threads`` > 0 runs both phases with that many; 0 tunes
+    them on the CPU and keeps torch's count elsewhere.
+
+    ``device``: where the runner keeps its cache and inputs; without ``graphs`` the float model
+    moves there in place, given ``graphs`` must already be there.
     """
     cfg, model = loaded.config, loaded.model
     if context > model.max_context:
@@ -45,12 +53,15 @@ def generate(
             f"context of {context}: raise --context or shorten the prompt / --max-new-tokens"
         )
     if graphs is None:
-        graphs = {1: model, prefill_len: model}
+        graphs = {1: model.to(device), prefill_len: model}
     prefill_len = max(graphs)
-    runner = StaticRunner(cfg, graphs, context)
+    runner = StaticRunner(cfg, graphs, context, device=device)
     eos = cfg.eos_token_id
-    # num_threads 0: each phase's count is tuned once per host and cached (npuq.threads).
-    plan, _ = plan_threads(phase_workloads(model, ("prefill", "decode"), context, prefill_len), num_threads)
+    if is_cpu(device):
+        # num_threads 0: each phase's count is tuned once per host and cached (npuq.threads).
+        plan, _ = plan_threads(phase_workloads(model, ("prefill", "decode"), context, prefill_len), num_threads)
+    else:  # the GPU does the work: no CPU tuning, and the float model may not be on the CPU to time
+        plan = ThreadPlan.untuned(("prefill", "decode"), num_threads)
 
     start = time.perf_counter()
     with plan.scope("prefill"):
@@ -73,4 +84,5 @@ def generate(
         "tokens_per_second": steps / decode_seconds if steps and decode_seconds > 0 else 0.0,
         "threads": plan.threads["decode"],
         "thread_plan": plan.to_dict(),
+        "device": str(runner.device),
     }

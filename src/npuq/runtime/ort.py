@@ -14,7 +14,6 @@ backend (in CPU emulation on x86-64 hosts, on the NPU on a device).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -26,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from npuq.artifact import resolve_inside
 from npuq.errors import NpuqError
 
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
@@ -184,18 +184,25 @@ class OrtGraph:
 
 
 def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[dict, dict[int, OrtGraph]]:
-    """(manifest, {ar_len: graph}) for a folder written by ``npuq export``."""
+    """(manifest, {ar_len: graph}) for a folder written by ``npuq export``; the manifest is
+    checked first (:func:`npuq.lower.export.read_manifest`: graph files must lie inside
+    ``folder``), and a graph ONNX Runtime cannot open is an :class:`NpuqError`."""
+    from npuq.lower.export import read_manifest
+
     folder = Path(folder)
-    manifest_path = folder / "manifest.json"
-    if not manifest_path.is_file():
-        raise NpuqError(f"{folder}: no manifest.json; is this an `npuq export` folder?")
-    manifest = json.loads(manifest_path.read_text())
     if provider not in PROVIDERS:
         raise NpuqError(f"unknown provider {provider!r}; choose {', '.join(PROVIDERS)}")
+    manifest = read_manifest(folder)
     arch = htp_arch if htp_arch is not None else manifest.get("target", {}).get("htp_arch")
     graphs = {}
     for entry in manifest["graphs"].values():
-        path = folder / entry["file"]
-        session = cpu_session(path) if provider == "cpu" else htp_session(path, arch)
-        graphs[int(entry["ar_len"])] = OrtGraph(session, entry)
+        path = resolve_inside(folder, entry["file"], f"--onnx {folder}")
+        if provider == "cpu":
+            try:
+                session = cpu_session(path)
+            except Exception as exc:  # noqa: BLE001  (ONNX Runtime raises its own exception types)
+                raise NpuqError(f"{path}: ONNX Runtime cannot open it ({exc}); export the artifact again") from None
+        else:
+            session = htp_session(path, arch)
+        graphs[entry["ar_len"]] = OrtGraph(session, entry)
     return manifest, graphs

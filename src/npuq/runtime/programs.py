@@ -2,7 +2,8 @@
 
 Both give the same thing: the prefill and decode graphs keyed by ar_len, the model config
 they were built from, their context and a LogitsFn that runs tokens (B, T) through them from
-an empty cache (prefill chunks, then decode steps, as the device runner does).
+an empty cache (prefill chunks, then decode steps, as the device runner does). PT2E programs
+can move to a GPU (:meth:`Programs.to`); ONNX sessions run on their provider and take CPU tensors.
 """
 
 from __future__ import annotations
@@ -24,6 +25,19 @@ class Programs:
     graphs: dict[int, Any]  # ar_len → callable(*inputs) → (logits, *k_new, *v_new)
     model_source: str  # where the tokenizer comes from
     source: dict[str, Any]  # what was opened, for results
+
+    def to(self, device: str | torch.device) -> Programs:
+        """Move the PT2E programs to ``device`` in place; ONNX graphs accept only the CPU."""
+        from npuq.device import is_cpu, move_graph
+
+        if is_cpu(device):
+            return self  # saved programs and ONNX sessions are CPU already
+        if "onnx" in self.source:
+            raise NpuqError(f"--device {device}: ONNX graphs run where --provider places them and take CPU tensors; "
+                            "use --device cpu with --onnx")
+        for graph in set(self.graphs.values()):
+            move_graph(graph, device)
+        return self
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         from npuq.quant.pipeline import run_programs
@@ -56,6 +70,6 @@ def open_programs(artifact: str | None = None, onnx: str | None = None, provider
 def _model_source(info: dict[str, Any], where: str) -> str:
     for key in ("source", "name", "model"):
         value = info.get(key)
-        if value and (Path(value).exists() or key != "source"):
+        if isinstance(value, str) and value and "\x00" not in value and (Path(value).exists() or key != "source"):
             return value
     raise NpuqError(f"{where}: cannot tell which model's tokenizer to use (no model source recorded)")

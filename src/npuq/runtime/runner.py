@@ -5,6 +5,8 @@ layer, filled left to right (slot j holds position j). A graph of ar_len T sees 
 C = ctx - T slots; after each call the runner copies the graph's new K/V entries into the
 slots of the real (not padded) tokens. Graphs are plain callables taking and returning torch
 tensors, so the same runner drives the eager module, an exported program or an ONNX session.
+Every tensor the runner builds (mask, positions, caches, token ids) lives on the device of the
+tokens it is given or the ``device`` it is created for, never implicitly on the CPU.
 """
 
 from __future__ import annotations
@@ -52,16 +54,19 @@ def step_inputs(
     """tokens, mask and positions for one call of a graph with ar_len T = tokens.shape[1].
 
     The cache holds ``n_past`` real entries in its first slots; the call's tokens take positions
-    n_past .. n_past + T - 1 of which the first ``n_real`` are real (the rest padding).
+    n_past .. n_past + T - 1 of which the first ``n_real`` are real (the rest padding). Mask and
+    positions are built on the tokens' device.
     """
     batch, T = tokens.shape
     C = context - T
     if n_past > C:
         raise ValueError(f"{n_past} cached tokens do not fit a cache of {C} slots")
     n_real = T if n_real is None else n_real
-    query_pos = torch.arange(n_past, n_past + T)
-    key_pos = torch.cat([torch.arange(C), query_pos])
-    key_valid = torch.cat([torch.arange(C) < n_past, torch.arange(T) < n_real])
+    device = tokens.device
+    query_pos = torch.arange(n_past, n_past + T, device=device)
+    cache_pos = torch.arange(C, device=device)
+    key_pos = torch.cat([cache_pos, query_pos])
+    key_valid = torch.cat([cache_pos < n_past, torch.arange(T, device=device) < n_real])
     mask = graph_mask(cfg, key_pos, key_valid, query_pos, batch)
     positions = query_pos.to(torch.int32).unsqueeze(0).expand(batch, -1).contiguous()
     return tokens, mask, positions
@@ -105,17 +110,21 @@ class StaticRunner:
 
     ``graphs`` maps ar_len → callable; it must contain ar_len 1 (decode) and may contain one
     prefill length N. Tokens that do not fill a whole prefill chunk near the end of the
-    context go through decode steps instead.
+    context go through decode steps instead. The KV cache, token ids, mask and positions live
+    on ``device``, where the graphs' weights must be (an ONNX session takes and returns CPU
+    tensors: keep the CPU).
     """
 
-    def __init__(self, cfg: ModelConfig, graphs: dict[int, Graph], context: int, batch: int = 1):
+    def __init__(self, cfg: ModelConfig, graphs: dict[int, Graph], context: int, batch: int = 1,
+                 device: str | torch.device = "cpu"):
         if 1 not in graphs:
             raise ValueError("the runner needs a decode graph (ar_len 1)")
         self.cfg, self.graphs, self.context, self.batch = cfg, graphs, context, batch
+        self.device = torch.device(device)
         self.prefill_len = max(graphs)
         KV, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
-        self.k = [torch.zeros(batch, KV, D, context) for _ in range(L)]  # (B, KV, D, ctx)
-        self.v = [torch.zeros(batch, KV, context, D) for _ in range(L)]  # (B, KV, ctx, D)
+        self.k = [torch.zeros(batch, KV, D, context, device=self.device) for _ in range(L)]  # (B, KV, D, ctx)
+        self.v = [torch.zeros(batch, KV, context, D, device=self.device) for _ in range(L)]  # (B, KV, ctx, D)
         self.n_past = 0
 
     def _call(self, tokens: torch.Tensor, n_real: int) -> torch.Tensor:
@@ -140,7 +149,7 @@ class StaticRunner:
                 f"{self.n_past + len(token_ids)} tokens do not fit the context of {self.context}: "
                 "raise --context or shorten the input"
             )
-        ids = torch.tensor(token_ids, dtype=torch.long).unsqueeze(0).expand(self.batch, -1)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device).unsqueeze(0).expand(self.batch, -1)
         logits, i, N = [], 0, self.prefill_len
         while i < len(token_ids):
             chunk = ids[:, i : i + N]

@@ -12,13 +12,16 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, ContextManager, Mapping
 
+import torch
+
 from npuq.errors import NpuqError
 from npuq.threads import cache
 from npuq.threads.limits import cpu_ceiling
 from npuq.threads.scope import thread_scope
 from npuq.threads.tuner import TuneResult, TuneSettings, Workload, tune
 
-SOURCES = ("auto", "cache", "user")  # measured now, read from the cache, given by the user
+# measured now, read from the cache, given by the user, torch's count kept (work off the CPU: no tuning)
+SOURCES = ("auto", "cache", "user", "kept")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,14 @@ class ThreadPlan:
     def fixed(cls, phases: Any, n: int) -> "ThreadPlan":
         """Every phase in ``phases`` at ``n`` threads, as the user asked."""
         return cls({p: n for p in phases}, {p: "user" for p in phases})
+
+    @classmethod
+    def untuned(cls, phases: Any, n: int = 0) -> ThreadPlan:
+        """For phases that run on a GPU: ``n`` threads as the user asked, or (0) torch's current
+        count, kept; CPU thread tuning would time the wrong device."""
+        if n > 0:
+            return cls.fixed(phases, n)
+        return cls({p: torch.get_num_threads() for p in phases}, {p: "kept" for p in phases})
 
     def scope(self, phase: str) -> ContextManager[int]:
         """``thread_scope`` with this phase's count; restores the previous counts afterwards."""

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 from npuq.threads.tuner import TuneResult
 
 
-def plot_results(results: Sequence[TuneResult], path: str | os.PathLike, title: str = "") -> None:
-    """Write a PNG of each result's milliseconds per call against thread count; the chosen count is ringed."""
+def sweep_figure(results: Sequence[TuneResult], title: str = "") -> Any:
+    """A matplotlib figure of each result's milliseconds per call against thread count; the
+    chosen count is ringed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from npuq.artifact import atomic_path
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for r in results:
@@ -34,6 +33,16 @@ def plot_results(results: Sequence[TuneResult], path: str | os.PathLike, title: 
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_results(results: Sequence[TuneResult], path: str | os.PathLike, title: str = "") -> None:
+    """Write :func:`sweep_figure` to a PNG file, atomically."""
+    import matplotlib.pyplot as plt
+
+    from npuq.artifact import atomic_path
+
+    fig = sweep_figure(results, title)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)

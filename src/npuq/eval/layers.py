@@ -1,0 +1,151 @@
+"""Per-layer quantization error: where in the network the quantized programs part from float.
+
+The same tokens run through the float decoder and through the quantized programs, both driven
+by :class:`npuq.runtime.runner.StaticRunner` with the same prefill chunks, and every linear
+layer's output is compared:
+
+- ``output_sqnr_db``: signal-to-quantization-noise ratio of the layer's output, 10·log10 of
+  Σy² / Σ(ŷ − y)² over all tokens and channels. It includes the quantization of the layer's
+  input activations and everything accumulated in earlier layers, so it falls with depth; a
+  sharp drop marks the layer that does the damage.
+- ``weight_sqnr_db``: the same ratio for the layer's weights alone (the dequantized weight
+  constant of the program against the float weight): the error the weight grid adds.
+
+In the programs a linear layer is the ``aten.linear`` node whose ``nn_module_stack`` names the
+module, which is how the two sides are paired.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+
+from npuq.models.config import ModelConfig
+from npuq.runtime.runner import StaticRunner
+
+LINEAR = torch.ops.aten.linear.default
+
+
+@dataclass
+class LayerError:
+    path: str  # module path, e.g. "layers.3.mlp.down_proj"
+    output_sqnr_db: float | None  # None: no difference at all
+    weight_sqnr_db: float | None  # None: exact weights, or the weight is not a constant
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float | None:
+    """10·log10(Σ ref² / Σ (approx − ref)²) in float64; None when the two are identical."""
+    ref = reference.detach().double()
+    noise = float(((approx.detach().double() - ref) ** 2).sum())
+    signal = float((ref**2).sum())
+    if noise == 0.0:
+        return None
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def module_path(node: Node) -> str | None:
+    """The innermost module path recorded for a node by torch.export."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    return list(stack.values())[-1][0]
+
+
+def _constant(gm: GraphModule, node: Any) -> torch.Tensor | None:
+    if not isinstance(node, Node) or node.op != "get_attr":
+        return None
+    obj: Any = gm
+    for part in node.target.split("."):
+        obj = getattr(obj, part)
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+class _Recorder(Interpreter):
+    """Runs a program and keeps every linear node's output, by module path, in call order."""
+
+    def __init__(self, gm: GraphModule, outputs: dict[str, list[torch.Tensor]]):
+        super().__init__(gm)
+        self.outputs = outputs
+
+    def run_node(self, n: Node) -> Any:
+        result = super().run_node(n)
+        if n.op == "call_function" and n.target is LINEAR:
+            path = module_path(n)
+            if path is not None:
+                self.outputs.setdefault(path, []).append(result.detach())
+        return result
+
+
+def linear_weights(gm: GraphModule) -> dict[str, torch.Tensor]:
+    """Module path → the (dequantized, constant) weight its linear node multiplies by."""
+    weights = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is LINEAR:
+            path, w = module_path(n), _constant(gm, n.args[1])
+            if path is not None and w is not None:
+                weights[path] = w
+    return weights
+
+
+def layer_errors(
+    model: torch.nn.Module,
+    graphs: dict[int, GraphModule],
+    cfg: ModelConfig,
+    context: int,
+    token_ids: Sequence[int],
+) -> list[LayerError]:
+    """Error of every linear layer of ``graphs`` (ar_len → quantized program) against the float
+    ``model`` on ``token_ids``, in the programs' execution order.
+
+    ``token_ids`` is cut to whole prefill chunks, so no padded position is compared.
+    """
+    prefill = max(graphs)
+    ids = list(token_ids)[: max(prefill, len(token_ids) // prefill * prefill)]
+    if len(ids) > context:
+        ids = ids[: context // prefill * prefill or context]
+
+    reference: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            hooks.append(module.register_forward_hook(
+                lambda _m, _i, out, path=path: reference.setdefault(path, []).append(out.detach())))
+    try:
+        StaticRunner(cfg, {k: model for k in graphs}, context).feed(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    quantized: dict[str, list[torch.Tensor]] = {}
+    StaticRunner(cfg, {k: (lambda *a, gm=gm: _Recorder(gm, quantized).run(*a)) for k, gm in graphs.items()},
+                 context).feed(ids)
+
+    weights = linear_weights(graphs[prefill])
+    floats = dict(model.named_modules())
+    errors = []
+    for path, outs in quantized.items():
+        refs = reference.get(path)
+        if refs is None or len(refs) != len(outs):
+            raise ValueError(f"{path}: {len(outs)} quantized calls but {len(refs or [])} float ones")
+        weight = weights.get(path)
+        errors.append(LayerError(
+            path,
+            sqnr_db(torch.cat([r.flatten() for r in refs]), torch.cat([o.flatten() for o in outs])),
+            None if weight is None else sqnr_db(floats[path].weight, weight),
+        ))
+    return errors
+
+
+def worst(errors: Sequence[LayerError], n: int = 5) -> list[LayerError]:
+    """The ``n`` layers with the lowest weight SQNR (where the weight grid does the most damage)."""
+    ranked = [e for e in errors if e.weight_sqnr_db is not None]
+    return sorted(ranked, key=lambda e: e.weight_sqnr_db)[:n]

@@ -1,0 +1,135 @@
+"""``npuq run`` end to end on a tiny Hugging Face folder: every file of the artifact, the export
+and the report; a second run reuses every stage; a change of export options redoes only the
+export and its evaluation; Ctrl-C in the middle of calibration, then a resume that gives the
+same encodings as an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from npuq.cli import main
+from npuq.models.tiny import save_tiny_hf_folder
+from npuq.run.stages import MARKER
+
+STAGES = ["model", "threads", "quantize", "eval-float", "eval-quantized", "layers", "generate", "export",
+          "eval-exported"]
+ARTIFACT_FILES = {"decode.pt2", "prefill.pt2", "encodings.json", "config.json"}
+ONNX_FILES = {"decode.onnx", "prefill.onnx", "manifest.json"}
+REPORT_KEYS = {"npuq_version", "created", "options", "model", "scheme", "recipe", "threads", "calibration", "layers",
+               "perplexity", "export", "generations", "files", "stages", "seconds"}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run-inputs")
+    folder = save_tiny_hf_folder(root / "model", "llama", seed=0, words=200)
+    g = torch.Generator().manual_seed(0)
+    text = root / "text.txt"
+    text.write_text(" ".join(f"w{int(i)}" for i in torch.randint(0, 200, (400,), generator=g)))
+    return folder, text
+
+
+def argv(inputs, out, *extra):
+    folder, text = inputs
+    return ["run", "--model", str(folder), "--calib-corpus", f"file:{text}", "--eval-corpus", f"file:{text}",
+            "--context", "32", "--calib-tokens", "64", "--eval-tokens", "64", "--gen-tokens", "4",
+            "--qnn-version", "2.51", "--htp-arch", "73", "--num-threads", "1", "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def first_run(inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "job"
+    assert main(argv(inputs, out, "--json", str(out.parent / "result.json"))) == 0
+    return out, json.loads((out.parent / "result.json").read_text())
+
+
+def test_run_writes_every_file_and_a_complete_report(first_run):
+    out, result = first_run
+    assert {p.name for p in (out / "artifact").iterdir()} == ARTIFACT_FILES
+    assert {p.name for p in (out / "onnx").iterdir()} == ONNX_FILES
+    report = json.loads((out / "report.json").read_text())
+    assert report == result  # --json writes the same dict as report.json
+    assert REPORT_KEYS <= set(report)
+    assert [s["stage"] for s in report["stages"]] == STAGES and not any(s["cached"] for s in report["stages"])
+    assert set(report["perplexity"]) == {"float", "quantized", "exported"}
+    for row in report["perplexity"].values():
+        assert row["tokens"] == 64 and row["word_perplexity"] > 1
+    # the exported graphs compute what the quantized programs compute
+    q, e = report["perplexity"]["quantized"], report["perplexity"]["exported"]
+    assert abs(e["word_perplexity"] / q["word_perplexity"] - 1) < 0.01
+    assert report["export"]["qnn_version"] == "2.51.0" and report["export"]["htp_arch"] == 73
+    assert len(report["layers"]["layers"]) == 2 * 7 + 1  # q k v o gate up down per layer, and the lm head
+    assert [g["prompt"] for g in report["generations"]] and all(g["tokens"] >= 1 for g in report["generations"])
+    assert {s["phase"] for s in report["threads"]["sweeps"]} == {"decode", "prefill", "calibrate"}
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 2 and "<script" not in html  # self-contained, static
+    assert "Quantization error per layer" in html and report["recipe"]["name"] in html
+    assert not (out / MARKER).exists()  # finished: no in-progress marker
+    # artifact/ and onnx/ are the stage files themselves (hard links), not copies
+    stage = next((out / "stages").glob("export-*"))
+    assert os.path.samefile(out / "onnx" / "decode.onnx", stage / "onnx" / "decode.onnx")
+
+
+def test_second_run_reuses_every_stage_and_export_options_redo_only_the_export(first_run, inputs, capsys):
+    out, first = first_run
+    assert main(argv(inputs, out)) == 0
+    again = json.loads((out / "report.json").read_text())
+    assert all(s["cached"] for s in again["stages"])
+    assert again["perplexity"] == first["perplexity"] and again["layers"] == first["layers"]
+
+    assert main(argv(inputs, out, "--embedding-storage", "int8-rowscale")) == 0
+    third = json.loads((out / "report.json").read_text())
+    rebuilt = [s["stage"] for s in third["stages"] if not s["cached"]]
+    assert rebuilt == ["export", "eval-exported"]
+    # the superseded export stage folder was pruned, the new one published
+    assert len(list((out / "stages").glob("export-*"))) == 1
+    assert json.loads((out / "onnx" / "manifest.json").read_text())["options"]["embedding_storage"] == "int8-rowscale"
+
+
+def test_interrupted_run_resumes_to_the_same_encodings(first_run, inputs, tmp_path):
+    out = tmp_path / "job"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "npuq.cli", *argv(inputs, out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    stage = None
+    while time.monotonic() < deadline and proc.poll() is None:  # wait until calibration is under way
+        try:
+            stage = json.loads((out / MARKER).read_text()).get("stage")
+        except (OSError, ValueError):
+            stage = None
+        if stage == "quantize":
+            break
+        time.sleep(0.2)
+    assert stage == "quantize", "the run never reached the quantize stage"
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert (out / MARKER).exists() and not (out / "artifact").exists()
+    leftovers = [p.name for p in (out / "stages").iterdir() if p.name.startswith(".")]
+    assert leftovers == [], leftovers  # no half-written stage
+    finished = {p.name.split("-")[0] for p in (out / "stages").iterdir()}
+    assert finished == {"model", "threads"}
+
+    resumed = subprocess.run([sys.executable, "-m", "npuq.cli", *argv(inputs, out)], env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "was interrupted (stage quantize)" in resumed.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert [s["stage"] for s in report["stages"] if s["cached"]] == ["model", "threads"]
+    reference = json.loads((first_run[0] / "artifact" / "encodings.json").read_text())
+    assert json.loads((out / "artifact" / "encodings.json").read_text()) == reference
+
+
+def test_run_bad_input_is_one_line(inputs, tmp_path, capsys):
+    assert main(argv(inputs, tmp_path / "x", "--qnn-version", "two")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("npuq: error:") and err.count("\n") == 1
