@@ -222,8 +222,10 @@ def text_windows(tokenizer, corpus: str, max_tokens: int, context: int):
     return docs, document_windows([d.tokens for d in docs], prefix_token_id(tokenizer), context)
 
 
-def perplexity(scorers: dict, reference: str, cfg, context: int, docs, windows, step: float | None) -> dict:
-    """Score the same windows with every scorer (name → graphs); compare logits to ``reference``'s."""
+def perplexity(scorers: dict, reference: str, cfg, graph_context: int, window: int, docs, windows,
+               step: float | None) -> dict:
+    """Score the same windows (at most ``window`` tokens) with every scorer (name → graphs built
+    for ``graph_context``); compare logits to ``reference``'s."""
     from npuq.eval.metrics import PerplexityTotals, document_totals, perplexity_metrics
     from npuq.eval.perplexity import window_loglikelihood
 
@@ -235,7 +237,7 @@ def perplexity(scorers: dict, reference: str, cfg, context: int, docs, windows, 
         logits = {}
         for name, graphs in scorers.items():
             start = time.perf_counter()
-            logits[name] = run(graphs, cfg, context, list(w.inputs), len(w.inputs), logs[name])[0]
+            logits[name] = run(graphs, cfg, graph_context, list(w.inputs), len(w.inputs), logs[name])[0]
             seconds[name] += time.perf_counter() - start
             lls[name][w.doc] += window_loglikelihood(logits[name], w.targets)
         n = len(w.targets)
@@ -261,11 +263,10 @@ def perplexity(scorers: dict, reference: str, cfg, context: int, docs, windows, 
     extra = {}
     if "legacy" in patterns and "optimized" in patterns:
         extra["legacy_vs_optimized_rel_diff_word_perplexity"] = patterns["legacy"] / patterns["optimized"] - 1
-    first = result[reference]
     rel = {name: r["rel_diff_word_perplexity"] for name, r in result.items() if name != reference}
     return {"tokens": sum(len(d.tokens) for d in docs), "words": totals.words, "bytes": totals.bytes,
-            "documents": len(docs), "windows": len(windows), "context": context,
-            "reference": reference, "word_perplexity_" + reference: first["word_perplexity"],
+            "documents": len(docs), "windows": len(windows), "context": window,
+            "reference": reference, "word_perplexity_" + reference: ref["word_perplexity"],
             **{f"rel_diff_word_perplexity_{k}": v for k, v in rel.items()}, **extra, "scorers": result}
 
 
@@ -353,13 +354,15 @@ def main(argv: list[str] | None = None) -> dict:
 
                 tokenizer = load_model(_model_source(config.get("model", {}), str(artifact))).tokenizer
             ctx = args.context or context
+            if not 2 <= ctx <= context:
+                p.error(f"--context {ctx}: the graphs hold {context} tokens; use 2..{context}")
             docs, windows = text_windows(tokenizer, args.corpus, max_tokens, ctx)
             scorers = {"pt2e": pt2e, **{f"ort_cpu_{k}": g for k, g in cpu.items()}}
             if args.noise_floor:
                 scorers["pt2e_reassociated_softmax"] = {k: Reassociated(g) for k, g in pt2e.items()}
             print(f"perplexity: {len(windows)} windows of at most {ctx} tokens, {', '.join(scorers)}", file=sys.stderr)
             report["perplexity"] = {"corpus": args.corpus, "split": "eval", "max_tokens": max_tokens,
-                                    **perplexity(scorers, "pt2e", cfg, ctx, docs, windows, step)}
+                                    **perplexity(scorers, "pt2e", cfg, context, ctx, docs, windows, step)}
         else:
             windows = None
 

@@ -223,9 +223,17 @@ def _eval_quantized(args: argparse.Namespace, documents: Any, device: Any) -> di
     if args.context > programs.context:
         raise NpuqError(f"--context {args.context} exceeds the {programs.context} tokens the graphs were built for: "
                         f"use --context {programs.context} or less")
-    tokenizer = load_model(programs.model_source).tokenizer
+    loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
     programs.to(device)
-    with scope_or_keep(args.num_threads) as threads:
+    threads = args.num_threads
+    if threads == 0 and device.type == "cpu":  # the prefill phase's tuned (or cached) count
+        from npuq.threads import plan_threads
+        from npuq.threads.workloads import phase_workload
+
+        workload = phase_workload(loaded.model, "prefill", programs.context, max(programs.graphs))
+        threads = plan_threads({"prefill": workload}, 0)[0].threads["prefill"]
+    tokenizer = loaded.tokenizer
+    with scope_or_keep(threads) as threads:
         result = evaluate_perplexity(programs.logits, tokenizer, documents, args.context, max_docs=args.max_docs,
                                      max_tokens=args.max_tokens, progress=True, device=device)
     return {**result, **programs.describe(), "threads": threads, "device": str(device)}
