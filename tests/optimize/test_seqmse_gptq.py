@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from npuq.optimize.gptq import gptq_codes
-from npuq.optimize.seqmse import GramFactor, fake_quantize, lpbq_scale, minmax_scale, quantize_codes, seq_mse_search
+from npuq.optimize.seqmse import (
+    GramFactor,
+    fake_quantize,
+    lpbq_scale,
+    minmax_scale,
+    quantize_codes,
+    seq_mse_search,
+)
 
 
 def _gram(x):
@@ -168,16 +175,3 @@ def test_gptq_act_order_changes_only_the_column_order():
     err = lambda q: ((x @ (weight - q).T) ** 2).sum()
     assert err(codes.float() * scale.unsqueeze(1)) < err(fake_quantize(weight, scale, 4))
 
-
-def test_float_target_weight_is_the_least_squares_solution():
-    from npuq.optimize.driver import float_target_weight
-
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(200, 12, generator=g)
-    x_quant = x + 0.1 * torch.randn(200, 12, generator=g)  # what the partly quantized model gives
-    weight = torch.randn(7, 12, generator=g)
-    target = float_target_weight(weight, _gram(x_quant), x_quant.T @ x, damp=0.0)
-    reference = torch.linalg.lstsq(x_quant.double(), (x @ weight.T).double()).solution.T  # min ||X̃ W*ᵀ - X Wᵀ||
-    assert torch.allclose(target.double(), reference, atol=1e-4)
-    # Identical inputs: nothing to correct; damping pulls toward W, never toward 0.
-    assert torch.allclose(float_target_weight(weight, _gram(x), _gram(x), damp=0.1), weight, atol=1e-5)

@@ -84,6 +84,9 @@ def test_lpbq_blocks_land_in_the_encodings(seq_mse):
         enc = params[f"{path}.weight"]
         assert enc["enc_type"] == "LPBQ"
         got = torch.tensor(enc["per_channel_float_scale"]).unsqueeze(1) * torch.tensor(enc["per_block_int_scale"])
-        assert torch.allclose(got.float(), scale, rtol=1e-5), path
+        # An all-zero channel (the pad row of a tied table) has codes 0 at any scale: the
+        # observer's eps floor picks its own, which changes no dequantized value. Compare the rest.
+        live = dict(model.named_modules())[path].weight.detach().abs().amax(dim=1) > 0
+        assert torch.allclose(got.float()[live], scale[live], rtol=1e-5), path
     held_out = _tokens(model.config.vocab_size, 24, seed=9).unsqueeze(0)
     assert _sqnr(forward_logits(model, held_out), qm.logits(held_out)) > 25

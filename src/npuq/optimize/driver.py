@@ -22,16 +22,22 @@ whole walk costs a few forwards, not one per layer.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from npuq.device import device_of
 from npuq.optimize.gptq import gptq_codes
-from npuq.optimize.seqmse import GramFactor, lpbq_scale, minmax_scale, quantize_codes, seq_mse_search
+from npuq.optimize.seqmse import (
+    GramFactor,
+    lpbq_scale,
+    minmax_scale,
+    quantize_codes,
+    seq_mse_search,
+)
 
 ROUNDINGS = ("nearest", "gptq")
 INPUTS = ("float", "quantized")
@@ -158,29 +164,28 @@ def _block_inputs(model: nn.Module, windows: list[torch.Tensor]) -> tuple[list[t
 
 
 def _collect_group(
-    modules: dict[str, nn.Module], pending: list[str], run: Callable[[int], object], n_windows: int,
-    reference: Callable[[int, str], torch.Tensor] | None = None,
-) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:
-    """The next group of ``pending`` layers to run, its Gram matrix XᵀX and (with ``reference``)
-    the cross matrix XᵀX_ref, both float64.
+    modules: dict[str, nn.Module], pending: list[str], run: Callable[[int], object], n_windows: int
+) -> tuple[list[str], torch.Tensor]:
+    """The next group of ``pending`` layers to run and its Gram matrix XᵀX (float64).
 
     The group is the first pending layer called in a forward plus the pending layers called
     right after it on the very same tensor (q/k/v, gate/up). ``run(w)`` runs window w; its
     forward stops once the group's input is seen (at the next pending layer, or when every
-    pending layer belongs to the group). ``reference(w, name)`` gives the input X_ref that
-    layer ``name`` sees in window w in the float model.
+    pending layer belongs to the group).
     """
     state: dict = {}
     found: list[str] = []
-    sums: dict[str, torch.Tensor] = {}
+    gram: list[torch.Tensor] = []
 
     def hook(name):
         def fn(_module, args):
-            if state["reference"]:  # the reference forward may run these very modules (the lm head)
-                return
             x = args[0]
             if state["x"] is None:
-                state["x"] = x.detach()
+                state["x"] = x
+                flat = x.detach().reshape(-1, x.shape[-1]).double()
+                if not gram:
+                    gram.append(torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float64, device=flat.device))
+                gram[0].addmm_(flat.T, flat)
             elif x is not state["x"]:
                 raise _Stop
             state["members"].append(name)
@@ -189,15 +194,10 @@ def _collect_group(
 
         return fn
 
-    def accumulate(key, a, b):
-        if key not in sums:
-            sums[key] = torch.zeros(a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
-        sums[key].addmm_(a.T, b)
-
     handles = [modules[n].register_forward_pre_hook(hook(n)) for n in pending]
     try:
         for w in range(n_windows):
-            state.update(x=None, members=[], reference=False)
+            state.update(x=None, members=[])
             try:
                 with torch.no_grad():
                     run(w)
@@ -210,118 +210,54 @@ def _collect_group(
             elif state["members"] != found:
                 raise RuntimeError(f"layers ran in a different order in calibration window {w}: "
                                    f"{state['members']} instead of {found}")
-            flat = state["x"].reshape(-1, state["x"].shape[-1]).double()
-            state["x"] = None
-            accumulate("gram", flat, flat)
-            if reference is not None:
-                state["reference"] = True
-                with torch.no_grad():
-                    ref = reference(w, found[0])
-                accumulate("cross", flat, ref.reshape(-1, ref.shape[-1]).double())
     finally:
+        state.clear()
         for h in handles:
             h.remove()
-    return found, sums["gram"], sums.get("cross")
-
-
-def _input_of(module: nn.Module, run: Callable[[], object]) -> torch.Tensor:
-    """The input ``module`` gets when ``run()`` runs (the forward stops there)."""
-    seen = []
-
-    def fn(_module, args):
-        seen.append(args[0].detach())
-        raise _Stop
-
-    handle = module.register_forward_pre_hook(fn)
-    try:
-        run()
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    if not seen:
-        raise RuntimeError("the reference forward never reached the layer")
-    return seen[0]
+    return found, gram[0]
 
 
 def sequential_groups(
-    model: nn.Module, windows: Iterable[torch.Tensor], names: list[str], float_reference: bool = False,
-) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor | None]]:
-    """Yield (group of layers, Gram matrix X̃ᵀX̃ (I, I), cross matrix X̃ᵀX or None) in execution
-    order, float32, X̃ the inputs the model *as it stands* gives that group.
+    model: nn.Module, windows: Iterable[torch.Tensor], names: list[str]
+) -> Iterator[tuple[list[str], torch.Tensor]]:
+    """Yield (group of layers, Gram matrix (I, I) float32) in execution order, each Gram computed
+    from the inputs the model *as it stands* gives that group.
 
     The caller rewrites a group's weights before asking for the next group, so every Gram sees
     the rounding of all groups before it. The decoder blocks run one at a time on hidden
     states cached per window; the lm head (and any layer outside the blocks) comes last, on the
-    final norm of the last block's output. ``float_reference`` also runs a float copy of each
-    block on float hidden states for the float inputs X of the cross matrix.
+    final norm of the last block's output.
     """
-    import copy
-
-    from npuq.device import device_of
-
     device = device_of(model)
     windows = [w.to(device) for w in windows]
     modules = dict(model.named_modules())
     path_of = {id(m): p for p, m in modules.items()}
     hidden, extra = _block_inputs(model, windows)
-    float_hidden = list(hidden)
     left = list(names)
     for i, layer in enumerate(model.layers):
         prefix = path_of[id(layer)] + "."
         pending = [n for n in left if n.startswith(prefix)]
-        # The float reference of this block: a copy taken before any of its layers is rounded.
-        ref_layer = copy.deepcopy(layer) if float_reference and pending else layer
+        states = hidden
 
-        def run(w, layer=layer, i=i, states=None):
+        def run(w, layer=layer, i=i, states=states):
             args, kwargs = extra[i][w]
-            return layer((hidden if states is None else states)[w], *args, **kwargs)
-
-        def reference(w, name, i=i, ref_layer=ref_layer):
-            module = ref_layer.get_submodule(name[len(prefix):])
-            return _input_of(module, lambda: run(w, ref_layer, i, float_hidden))
+            return layer(states[w], *args, **kwargs)
 
         while pending:
-            group, gram, cross = _collect_group(modules, pending, run, len(windows),
-                                                reference if float_reference else None)
-            yield group, gram.float(), None if cross is None else cross.float()
+            group, gram = _collect_group(modules, pending, run, len(windows))
+            yield group, gram.float()
             pending = [n for n in pending if n not in group]
             left = [n for n in left if n not in group]
         with torch.no_grad():
             hidden = [run(w)[0] for w in range(len(windows))]
-            if float_reference:
-                float_hidden = [run(w, ref_layer, i, float_hidden)[0] for w in range(len(windows))]
-            else:
-                float_hidden = hidden
 
-    def head(w, states=None):
-        return model.lm_head(model.norm((hidden if states is None else states)[w]))
-
-    def head_reference(w, name):  # the layers outside the blocks are not rounded before they run
-        return _input_of(modules[name], lambda: head(w, float_hidden))
+    def head(w, states=hidden):
+        return model.lm_head(model.norm(states[w]))
 
     while left:
-        group, gram, cross = _collect_group(modules, left, head, len(windows),
-                                            head_reference if float_reference else None)
-        yield group, gram.float(), None if cross is None else cross.float()
+        group, gram = _collect_group(modules, left, head, len(windows))
+        yield group, gram.float()
         left = [n for n in left if n not in group]
-
-
-def float_target_weight(weight: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
-    """The weight W* whose output on the quantized model's inputs X̃ best matches the float
-    layer's output on the float inputs X: min ||X̃ W*ᵀ - X Wᵀ||², ridge-regularised toward W.
-
-    W* = W + W (X - X̃)ᵀ X̃ (X̃ᵀX̃ + λI)⁻¹ with λ = ``damp`` × mean diagonal; since
-    ||X̃ Qᵀ - X Wᵀ||² = ||X̃ (Q - W*)ᵀ||² + const (at λ = 0), rounding W* with the Gram X̃ᵀX̃
-    minimises the output error against the float model, earlier layers' errors included.
-    ``gram`` = X̃ᵀX̃, ``cross`` = X̃ᵀX.
-    """
-    H = gram.double()
-    I = H.shape[0]
-    H = H + torch.eye(I, dtype=H.dtype, device=H.device) * damp * torch.diagonal(H).mean().clamp_min(1e-12)
-    delta = cross.double().T - gram.double()  # (X - X̃)ᵀ X̃
-    correction = torch.linalg.solve(H, delta.T @ weight.double().T).T  # W ΔXᵀX̃ H⁻¹ (H symmetric)
-    return (weight.double() + correction).float()
 
 
 def optimize_weights(
@@ -335,7 +271,6 @@ def optimize_weights(
     progress: bool = True,
     inputs: str = "float",
     gptq_options: dict | None = None,
-    float_target: bool = False,
 ) -> tuple[dict[str, OptimizedWeight], dict[str, float]]:
     """Optimise every layer in ``specs`` (module path → WeightSpec) and write its weights back.
 
@@ -357,10 +292,10 @@ def optimize_weights(
         start = time.perf_counter()
         group_of, grams = collect_grams(model, windows, names)
         timings["collect_seconds"] = time.perf_counter() - start
-        stages: Iterator = ((name, grams[group_of[name]], group_of[name], None) for name in names)
+        stages: Iterator = ((name, grams[group_of[name]], group_of[name]) for name in names)
     else:
-        stages = ((name, gram, g, cross) for g, (group, gram, cross)
-                  in enumerate(sequential_groups(model, windows, names, float_target)) for name in group)
+        stages = ((name, gram, g) for g, (group, gram) in enumerate(sequential_groups(model, windows, names))
+                  for name in group)
     factors: dict[int, GramFactor] = {}
     modules = dict(model.named_modules())
     results: dict[str, OptimizedWeight] = {}
@@ -372,12 +307,9 @@ def optimize_weights(
             timings["collect_seconds"] += time.perf_counter() - t
         if stage is None:
             break
-        name, gram, group, cross = stage
+        name, gram, group = stage
         spec = specs[name]
         weight = modules[name].weight.detach().float()
-        if cross is not None:
-            weight = float_target_weight(weight, gram, cross, **({"damp": gptq_options["damp"]}
-                                                                  if gptq_options and "damp" in gptq_options else {}))
         t0 = time.perf_counter()
         if spec.scale_bits is not None:  # LPBQ: block scales by the backend's rule, SeqMSE scales each channel's base
             scale = lpbq_scale(weight, spec.bits, spec.block_size, spec.scale_bits, spec.eps)

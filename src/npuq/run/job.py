@@ -59,7 +59,7 @@ class RunOptions:
     gen_tokens: int = 16
     prompts: tuple[str, ...] = PROMPTS
     num_threads: int = 0
-    sqnr_tokens: int = 64
+    sqnr_tokens: int = 32  # one prefill chunk of the default length
     device: str = "auto"  # calibration, SeqMSE/GPTQ and the float / PT2E evaluations (npuq.device)
 
     def quantize_inputs(self) -> dict[str, Any]:
