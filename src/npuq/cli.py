@@ -16,24 +16,22 @@ from typing import Any, Callable
 from npuq.errors import NpuqError
 
 
-def _nonneg_int(text: str) -> int:
+def _whole_number(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {'0 or more' if low == 0 else f'at least {low}'}, got {value}")
     return value
+
+
+def _nonneg_int(text: str) -> int:
+    return _whole_number(text, 0)
 
 
 def _pos_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return _whole_number(text, 1)
 
 
 def _context(text: str) -> int:

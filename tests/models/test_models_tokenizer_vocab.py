@@ -6,21 +6,11 @@ import pytest
 from npuq.cli import main
 from npuq.errors import ModelLoadError
 from npuq.models import load_model
-from npuq.models.tiny import tiny_hf_model
+from npuq.models.tiny import save_tiny_hf_folder
 
 
 def _folder(tmp_path, n_words):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tmp_path / f"tiny-{n_words}"
-    tiny_hf_model("llama").save_pretrained(folder, safe_serialization=True)  # vocab_size 256
-    vocab = {"<unk>": 0, "<bos>": 1, "<eos>": 2, **{f"w{i}": i + 3 for i in range(n_words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                            unk_token="<unk>").save_pretrained(folder)
-    return folder
+    return save_tiny_hf_folder(tmp_path / f"tiny-{n_words}", "llama", words=n_words)  # vocab_size 256
 
 
 def test_larger_tokenizer_is_refused_with_both_numbers(tmp_path, capsys):
