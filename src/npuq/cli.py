@@ -131,6 +131,56 @@ def _check_fits(context: int, prefill_len: int | None = None, max_new_tokens: in
                         f"use at most {context - 1}, or raise --context")
 
 
+def _add_quantize_options(p: argparse.ArgumentParser) -> None:
+    """What to quantize and how, shared by ``quantize`` and ``run``."""
+    from npuq.quant.recipe import RECIPES
+    from npuq.quant.schemes import SCHEMES
+
+    p.add_argument("--scheme", choices=list(SCHEMES), metavar="S",
+                   help=f"default scheme, one of {', '.join(SCHEMES)} (default: the recipe's; smollm2-135m: 16a8w)")
+    p.add_argument("--recipe", metavar="R",
+                   help=f"built-in recipe ({', '.join(RECIPES)}) or a JSON file of rules; --scheme replaces its "
+                        "default (default: the model's built-in recipe)")
+    p.add_argument("--calib-corpus", default="builtin", metavar="C",
+                   help="corpus whose calib split is the calibration text: builtin, file:PATH or wikitext2 (default: builtin)")
+    p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N",
+                   help="calibration tokens (whole windows of --context, plus one shorter tail) (default 4096)")
+    p.add_argument("--context", type=_context, default=512, metavar="L",
+                   help="context length of the programs and of the calibration (and evaluation) windows (default 512)")
+    p.add_argument("--prefill-len", type=_pos_int, default=None, metavar="N",
+                   help="ar_len of the prefill program (default: 32, at most half the context)")
+    p.add_argument("--batch-size", type=_pos_int, default=8, metavar="N",
+                   help="windows per one-pass calibration forward (default 8)")
+    p.add_argument("--seq-mse", type=_pos_int, default=None, metavar="N",
+                   help="search N candidate scales per weight (coarse grid, then a fine grid around the best) "
+                        "minimising the layer's output error on the calibration text; the published default is 50 "
+                        "(default: off, min/max scales)")
+    p.add_argument("--seq-mse-granularity", choices=("channel", "layer"), default="channel",
+                   help="one scale multiplier per output channel (default) or one per layer (the published method)")
+    p.add_argument("--weight-rounding", choices=("nearest", "gptq"), default="nearest",
+                   help="round weights to the nearest code, or with GPTQ's error compensation (same int format)")
+
+
+def _add_target_options(p: argparse.ArgumentParser) -> None:
+    """The backend the lowering targets, shared by ``export`` and ``run``."""
+    p.add_argument("--qnn-version", metavar="X.Y[.Z]",
+                   help="target QNN SDK version (default: the build id of $QNN_SDK_ROOT/lib/x86_64-linux-clang/"
+                        "libQnnHtp.so, else the QNN bundled with onnxruntime-qnn, else unknown: patterns valid "
+                        "on every version)")
+    chip = p.add_mutually_exclusive_group()
+    chip.add_argument("--htp-arch", metavar="A", help="HTP architecture: 68, 69, 73, 75, 79 or 81 "
+                                                      "(16-bit x int16 attention MatMul needs 73+; default unknown: 8-bit)")
+    chip.add_argument("--soc", metavar="NAME", help="target chip, e.g. SM8650 (sets --htp-arch from a table of known chips)")
+    p.add_argument("--embedding-pattern", choices=("auto", "legacy", "optimized"), default="auto",
+                   help="per-channel embedding lowering: legacy (any SDK; rows re-rounded at the largest row "
+                        "scale), optimized (SDK >= 2.48; every row keeps its scale), auto = optimized when the SDK "
+                        "is known to be >= 2.48 (default: auto)")
+    p.add_argument("--embedding-storage", choices=("u16", "int8-rowscale"), default="u16",
+                   help="how the optimized pattern stores the table: u16 (re-encoded to the output encoding, "
+                        "2 bytes per element) or int8-rowscale (int8 codes + a gathered uint16 row-scale vector) "
+                        "(default: u16)")
+
+
 # --------------------------------------------------------------------------- info
 def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.models import load_model
@@ -425,40 +475,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(func=cmd_tune_threads)
 
-    from npuq.quant.recipe import RECIPES
-    from npuq.quant.schemes import SCHEMES
-
     p = sub.add_parser("quantize", help="post-training quantization for the HTP: calibrate, write decode + prefill programs",
                        description="Quantize a model the HTP way (PT2E, uint16/uint8 activations, per-channel "
                                    "weights), calibrate it on corpus text and write an artifact folder: decode.pt2 "
                                    "and prefill.pt2 with identical encodings, encodings.json and config.json.")
     _add_model(p)
-    p.add_argument("--scheme", choices=list(SCHEMES), metavar="S",
-                   help=f"default scheme, one of {', '.join(SCHEMES)} (default: the recipe's; smollm2-135m: 16a8w)")
-    p.add_argument("--recipe", metavar="R",
-                   help=f"built-in recipe ({', '.join(RECIPES)}) or a JSON file of rules; --scheme replaces its "
-                        "default (default: the model's built-in recipe)")
-    p.add_argument("--calib-corpus", default="builtin", metavar="C",
-                   help="corpus whose calib split is the calibration text: builtin, file:PATH or wikitext2 (default: builtin)")
-    p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N",
-                   help="calibration tokens (whole windows of --context, plus one shorter tail) (default 4096)")
-    p.add_argument("--context", type=_context, default=512, metavar="L",
-                   help="context length of the programs and calibration window (default 512)")
-    p.add_argument("--prefill-len", type=_pos_int, default=None, metavar="N",
-                   help="ar_len of the prefill program (default: 32, at most half the context)")
+    _add_quantize_options(p)
     p.add_argument("--calibration-mode", choices=("onepass", "sequential"), default="onepass",
                    help="onepass: whole windows through the calibrate graph, encodings copied to decode and "
                         "prefill (fast); sequential: the decode graph token by token (the published reference, slow)")
-    p.add_argument("--batch-size", type=_pos_int, default=8, metavar="N",
-                   help="windows per one-pass calibration forward (default 8)")
-    p.add_argument("--seq-mse", type=_pos_int, default=None, metavar="N",
-                   help="search N candidate scales per weight (coarse grid, then a fine grid around the best) "
-                        "minimising the layer's output error on the calibration text; the published default is 50 "
-                        "(default: off, min/max scales)")
-    p.add_argument("--seq-mse-granularity", choices=("channel", "layer"), default="channel",
-                   help="one scale multiplier per output channel (default) or one per layer (the published method)")
-    p.add_argument("--weight-rounding", choices=("nearest", "gptq"), default="nearest",
-                   help="round weights to the nearest code, or with GPTQ's error compensation (same int format)")
     p.add_argument("--layer-inputs", choices=("float", "quantized"), default="float",
                    help="inputs SeqMSE and GPTQ fit each layer to: the float model's (default, one forward) or the "
                         "quantized model's own, block by block, so each layer sees the rounding of all before it")
@@ -477,22 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "QNN SDK version and HTP architecture; write manifest.json beside them.")
     p.add_argument("--artifact", required=True, metavar="DIR", help="folder written by 'npuq quantize --out'")
     p.add_argument("--out", required=True, metavar="DIR", help="export folder to write (must not exist unless --force)")
-    p.add_argument("--qnn-version", metavar="X.Y[.Z]",
-                   help="target QNN SDK version (default: the build id of $QNN_SDK_ROOT/lib/x86_64-linux-clang/"
-                        "libQnnHtp.so, else the QNN bundled with onnxruntime-qnn, else unknown: patterns valid "
-                        "on every version)")
-    chip = p.add_mutually_exclusive_group()
-    chip.add_argument("--htp-arch", metavar="A", help="HTP architecture: 68, 69, 73, 75, 79 or 81 "
-                                                      "(16-bit x int16 attention MatMul needs 73+; default unknown: 8-bit)")
-    chip.add_argument("--soc", metavar="NAME", help="target chip, e.g. SM8650 (sets --htp-arch from a table of known chips)")
-    p.add_argument("--embedding-pattern", choices=("auto", "legacy", "optimized"), default="auto",
-                   help="per-channel embedding lowering: legacy (any SDK; rows re-rounded at the largest row "
-                        "scale), optimized (SDK >= 2.48; every row keeps its scale), auto = optimized when the SDK "
-                        "is known to be >= 2.48 (default: auto)")
-    p.add_argument("--embedding-storage", choices=("u16", "int8-rowscale"), default="u16",
-                   help="how the optimized pattern stores the table: u16 (re-encoded to the output encoding, "
-                        "2 bytes per element) or int8-rowscale (int8 codes + a gathered uint16 row-scale vector) "
-                        "(default: u16)")
+    _add_target_options(p)
     p.add_argument("--force", action="store_true", help="replace an existing --out folder (only once the new one is complete)")
     _add_common(p)
     p.set_defaults(func=cmd_export)
@@ -504,38 +514,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "re-run reuses every stage whose inputs did not change, and a run interrupted "
                                    "with Ctrl-C resumes from the last finished stage.")
     _add_model(p)
-    p.add_argument("--scheme", choices=list(SCHEMES), metavar="S",
-                   help=f"default scheme, one of {', '.join(SCHEMES)} (default: the recipe's)")
-    p.add_argument("--recipe", metavar="R", help=f"built-in recipe ({', '.join(RECIPES)}) or a JSON file of rules")
-    p.add_argument("--context", type=_context, default=512, metavar="L",
-                   help="context length of the programs, the calibration and the evaluation windows (default 512)")
-    p.add_argument("--prefill-len", type=_pos_int, default=None, metavar="N",
-                   help="ar_len of the prefill program (default: 32, at most half the context)")
-    p.add_argument("--calib-corpus", default="builtin", metavar="C",
-                   help="calibration text (its calib split): builtin, file:PATH or wikitext2 (default: builtin)")
-    p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N", help="calibration tokens (default 4096)")
-    p.add_argument("--batch-size", type=_pos_int, default=8, metavar="N",
-                   help="windows per one-pass calibration forward (default 8)")
-    p.add_argument("--seq-mse", type=_pos_int, default=None, metavar="N",
-                   help="SeqMSE with N candidate scales per weight (default: off)")
-    p.add_argument("--seq-mse-granularity", choices=("channel", "layer"), default="channel",
-                   help="one scale multiplier per output channel (default) or per layer")
-    p.add_argument("--weight-rounding", choices=("nearest", "gptq"), default="nearest",
-                   help="round weights to the nearest code, or with GPTQ's error compensation")
+    _add_quantize_options(p)
     p.add_argument("--eval-corpus", default="builtin", metavar="C",
                    help="evaluation text (its eval split, disjoint from calib): builtin, file:PATH or wikitext2 "
                         "(default: builtin)")
     p.add_argument("--eval-tokens", type=_pos_int, default=4096, metavar="N",
                    help="tokens scored in each evaluation (float, quantized, exported) (default 4096)")
-    p.add_argument("--qnn-version", metavar="X.Y[.Z]",
-                   help="target QNN SDK version (default: from $QNN_SDK_ROOT, else onnxruntime-qnn, else unknown)")
-    chip = p.add_mutually_exclusive_group()
-    chip.add_argument("--htp-arch", metavar="A", help="HTP architecture: 68, 69, 73, 75, 79 or 81")
-    chip.add_argument("--soc", metavar="NAME", help="target chip, e.g. SM8650 (sets the HTP arch)")
-    p.add_argument("--embedding-pattern", choices=("auto", "legacy", "optimized"), default="auto",
-                   help="per-channel embedding lowering (see 'npuq export --help') (default: auto)")
-    p.add_argument("--embedding-storage", choices=("u16", "int8-rowscale"), default="u16",
-                   help="table storage of the optimized embedding pattern (default: u16)")
+    _add_target_options(p)
     p.add_argument("--gen-tokens", type=_pos_int, default=16, metavar="N",
                    help="tokens generated per prompt, float and quantized, for the report (default 16)")
     p.add_argument("--prompt", action="append", metavar="TEXT",

@@ -95,50 +95,33 @@ ARTIFACT_FILES = ("decode.pt2", "prefill.pt2")
 EXPORT_FILES = ("decode.onnx", "prefill.onnx")
 
 
+# (seed, extra files the folder needs, file name, reader of the folder, bytes edits confined to
+# the first N bytes (where the structure starts) or None)
+DOCUMENTS = {
+    "artifact config.json": ("config", ARTIFACT_FILES, "config.json", read_artifact, None),
+    "encodings.json": ("encodings", (), "encodings.json", lambda f: read_encodings(f / "encodings.json"), 4096),
+    "export manifest.json": ("manifest", EXPORT_FILES, "manifest.json", read_manifest, None),
+}
+
+
+@pytest.mark.parametrize("document", list(DOCUMENTS))
 @FUZZ
 @given(edits=edits)
-def test_artifact_config_json_edits(seeds, tmp_path, edits):
-    folder = _folder(tmp_path, ARTIFACT_FILES, "config.json", json.dumps(mutate_json(seeds["config"], edits)))
-    _expect_result_or_npuq_error(read_artifact, folder)
+def test_json_edits(seeds, tmp_path, document, edits):
+    seed, files, name, read, _ = DOCUMENTS[document]
+    folder = _folder(tmp_path, files, name, json.dumps(mutate_json(seeds[seed], edits)))
+    _expect_result_or_npuq_error(read, folder)
 
 
+@pytest.mark.parametrize("document", list(DOCUMENTS))
 @FUZZ
 @given(edits=byte_edits, cut=cuts)
-def test_artifact_config_bytes(seeds, tmp_path, edits, cut):
-    text = json.dumps(seeds["config"]).encode()
-    folder = _folder(tmp_path, ARTIFACT_FILES, "config.json", mutate_bytes(text, edits, cut))
-    _expect_result_or_npuq_error(read_artifact, folder)
-
-
-@FUZZ
-@given(edits=edits)
-def test_encodings_json_edits(seeds, tmp_path, edits):
-    folder = _folder(tmp_path, (), "encodings.json", json.dumps(mutate_json(seeds["encodings"], edits)))
-    _expect_result_or_npuq_error(read_encodings, folder / "encodings.json")
-
-
-@FUZZ
-@given(edits=byte_edits, cut=cuts)
-def test_encodings_json_bytes(seeds, tmp_path, edits, cut):
-    text = json.dumps(seeds["encodings"]).encode()
-    edits = [(pos % 4096, v) for pos, v in edits]  # the first entries, where the structure starts
-    folder = _folder(tmp_path, (), "encodings.json", mutate_bytes(text, edits, cut))
-    _expect_result_or_npuq_error(read_encodings, folder / "encodings.json")
-
-
-@FUZZ
-@given(edits=edits)
-def test_manifest_json_edits(seeds, tmp_path, edits):
-    folder = _folder(tmp_path, EXPORT_FILES, "manifest.json", json.dumps(mutate_json(seeds["manifest"], edits)))
-    _expect_result_or_npuq_error(read_manifest, folder)
-
-
-@FUZZ
-@given(edits=byte_edits, cut=cuts)
-def test_manifest_json_bytes(seeds, tmp_path, edits, cut):
-    text = json.dumps(seeds["manifest"]).encode()
-    folder = _folder(tmp_path, EXPORT_FILES, "manifest.json", mutate_bytes(text, edits, cut))
-    _expect_result_or_npuq_error(read_manifest, folder)
+def test_json_bytes(seeds, tmp_path, document, edits, cut):
+    seed, files, name, read, window = DOCUMENTS[document]
+    if window is not None:
+        edits = [(pos % window, v) for pos, v in edits]
+    folder = _folder(tmp_path, files, name, mutate_bytes(json.dumps(seeds[seed]).encode(), edits, cut))
+    _expect_result_or_npuq_error(read, folder)
 
 
 @FUZZ

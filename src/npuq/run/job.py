@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -102,7 +102,6 @@ class Job:
     options: RunOptions
     out: Path
     progress: bool = True
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -122,8 +121,7 @@ class Job:
         return load_model(self.options.model, max_context=max(self.options.context, 4096))
 
     def stage(self, name: str, inputs: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
-        index = self.stages.index(name) + 1
-        self.say(f"[{index}/{len(self.stages)}] {name}: {STAGE_TITLES[name]}")
+        self.say(f"[{STAGES.index(name) + 1}/{len(STAGES)}] {name}: {STAGE_TITLES[name]}")
         folder, result = self.run.stage(name, inputs, build)
         entry = self.run.log[-1]
         self.say(f"      {name}: reused from {folder.relative_to(self.out)}" if entry["cached"]
@@ -314,7 +312,7 @@ class Job:
         self.export()
         self.evaluate("eval-exported", "export", base)
 
-        self.say(f"[{len(self.stages)}/{len(self.stages)}] report: {STAGE_TITLES['report']}")
+        self.say(f"[{len(STAGES)}/{len(STAGES)}] report: {STAGE_TITLES['report']}")
         link_tree(self.folders["quantize"] / "artifact", self.out / "artifact")
         link_tree(self.folders["export"] / "onnx", self.out / "onnx")
         from npuq.report.run import build_report
