@@ -25,16 +25,35 @@ from npuq.quant.recipe import load_recipe
 from npuq.quant.run import corpus_tokens, optimize_for_recipe
 from npuq.runtime.runner import forward_logits
 
-# (label, recipe, seq_mse candidates, granularity, rounding[, layer inputs: "float" unless given])
+
+
+def config(label: str, recipe: str, seq_mse: int | None = None, granularity: str = "channel", rounding: str = "nearest",
+           inputs: str = "float", act_order: bool = False) -> dict:
+    return {"config": label, "recipe": recipe, "seq_mse": seq_mse, "granularity": granularity if seq_mse else None,
+            "rounding": rounding, "layer_inputs": inputs, "act_order": act_order if rounding == "gptq" else None}
+
+
 CONFIGS = [
-    ("16a8w", "16a8w", None, "channel", "nearest"),
-    ("16a4w min/max", "16a4w", None, "channel", "nearest"),
-    ("16a4w + SeqMSE layer", "16a4w", 50, "layer", "nearest"),
-    ("16a4w + SeqMSE channel", "16a4w", 50, "channel", "nearest"),
-    ("16a4w + GPTQ", "16a4w", None, "channel", "gptq"),
-    ("16a4w + SeqMSE channel + GPTQ", "16a4w", 50, "channel", "gptq"),
-    ("16a4w_mixed min/max", "16a4w_mixed", None, "channel", "nearest"),
-    ("16a4w_mixed + SeqMSE channel + GPTQ", "16a4w_mixed", 50, "channel", "gptq"),
+    config("16a8w", "16a8w"),
+    config("16a4w min/max", "16a4w"),
+    config("16a4w + SeqMSE layer", "16a4w", 50, "layer"),
+    config("16a4w + SeqMSE channel", "16a4w", 50),
+    config("16a4w + GPTQ", "16a4w", rounding="gptq"),
+    config("16a4w + SeqMSE channel + GPTQ", "16a4w", 50, rounding="gptq"),
+    config("16a4w + SeqMSE channel + GPTQ, quantized inputs", "16a4w", 50, rounding="gptq", inputs="quantized"),
+    config("16a4w + SeqMSE channel + GPTQ act-order, quantized inputs", "16a4w", 50, rounding="gptq",
+           inputs="quantized", act_order=True),
+    config("16a4w_mixed min/max", "16a4w_mixed"),
+    config("16a4w_mixed + SeqMSE channel + GPTQ", "16a4w_mixed", 50, rounding="gptq"),
+    config("16a4w_mixed + SeqMSE channel + GPTQ act-order, quantized inputs", "16a4w_mixed", 50, rounding="gptq",
+           inputs="quantized", act_order=True),
+    config("16a4w_block min/max", "16a4w_block"),
+    config("16a4w_block + GPTQ", "16a4w_block", rounding="gptq"),
+    config("16a4w_block + SeqMSE channel + GPTQ", "16a4w_block", 50, rounding="gptq"),
+    config("16a4w_block + SeqMSE channel + GPTQ, quantized inputs", "16a4w_block", 50, rounding="gptq",
+           inputs="quantized"),
+    config("16a4w_block + SeqMSE channel + GPTQ act-order, quantized inputs", "16a4w_block", 50, rounding="gptq",
+           inputs="quantized", act_order=True),
 ]
 
 
@@ -45,6 +64,7 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--only", action="append", help="run only configurations whose label contains this")
+    ap.add_argument("--exact", action="store_true", help="--only names whole labels")
     ap.add_argument("--out", default="out/bench/accuracy.json")
     args = ap.parse_args()
 
@@ -60,20 +80,19 @@ def main() -> None:
 
     rows = [{"config": "float", **evaluate(lambda t: forward_logits(model, t))}]
     print(json.dumps(rows[-1]), flush=True)
-    for label, recipe_name, n, granularity, rounding, *rest in CONFIGS:
-        inputs = rest[0] if rest else "float"
-        if args.only and not any(o in label for o in args.only):
+    for spec in CONFIGS:
+        if args.only and not any(o == spec["config"] if args.exact else o in spec["config"] for o in args.only):
             continue
         model.load_state_dict(float_state)
-        recipe = load_recipe(recipe_name)
-        row: dict = {"config": label, "recipe": recipe_name, "seq_mse": n, "granularity": granularity if n else None,
-                     "rounding": rounding, "layer_inputs": inputs}
+        recipe = load_recipe(spec["recipe"])
+        row = dict(spec)
         start = time.perf_counter()
         scales = None
-        if n is not None or rounding != "nearest":
-            scales, summary = optimize_for_recipe(model, recipe, split_windows(calib, args.context), seq_mse=n,
-                                                  granularity=granularity, rounding=rounding, progress=False,
-                                                  inputs=inputs)
+        if spec["seq_mse"] is not None or spec["rounding"] != "nearest":
+            scales, summary = optimize_for_recipe(
+                model, recipe, split_windows(calib, args.context), seq_mse=spec["seq_mse"],
+                granularity=spec["granularity"] or "channel", rounding=spec["rounding"], progress=False,
+                inputs=spec["layer_inputs"], act_order=bool(spec["act_order"]))
             row.update(optimize=summary)
         row["optimize_seconds"] = time.perf_counter() - start
         qm = quantize_model(model, recipe, calib, context=args.context, weight_scales=scales)

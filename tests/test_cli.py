@@ -53,6 +53,9 @@ def test_flag_out_of_range_is_one_line(capsys, tmp_path, argv, message):
     (["tune-threads", "--phase", "prefill", "--context", "8", "--prefill-len", "16"], "--prefill-len 16 exceeds --context 8"),
     (["quantize", "--context", "16", "--prefill-len", "16", "--calib-tokens", "64"],
      "--prefill-len 16 must be at least 1 and below --context 16"),
+    (["quantize", "--act-order"], "--act-order orders GPTQ's rounding"),
+    (["quantize", "--layer-inputs", "quantized"], "add --seq-mse N and/or --weight-rounding gptq"),
+    (["run", "--act-order", "--seq-mse", "8"], "add --weight-rounding gptq"),
 ])
 def test_flags_that_must_fit_the_context(capsys, tmp_path, monkeypatch, argv, message):
     import npuq.models
@@ -61,7 +64,7 @@ def test_flags_that_must_fit_the_context(capsys, tmp_path, monkeypatch, argv, me
         raise AssertionError("the flags are checked before any model loads")
 
     monkeypatch.setattr(npuq.models, "load_model", no_model)
-    if argv[0] == "quantize":
+    if argv[0] in ("quantize", "run"):
         argv = [*argv, "--out", str(tmp_path / "o")]
     assert cli.main(argv) == 2
     assert message in _one_line(capsys)

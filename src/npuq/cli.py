@@ -159,6 +159,12 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                    help="one scale multiplier per output channel (default) or one per layer (the published method)")
     p.add_argument("--weight-rounding", choices=("nearest", "gptq"), default="nearest",
                    help="round weights to the nearest code, or with GPTQ's error compensation (same int format)")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=False,
+                   help="GPTQ rounds the input columns of largest energy first (the published act-order "
+                        "heuristic; the scales are fixed beforehand, so the format is unchanged) (default: off)")
+    p.add_argument("--layer-inputs", choices=("float", "quantized"), default="float",
+                   help="inputs SeqMSE and GPTQ fit each layer to: the float model's (default, one forward) or the "
+                        "quantized model's own, block by block, so each layer sees the rounding of all before it")
 
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:
@@ -339,6 +345,7 @@ def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
         prefill_len=args.prefill_len, batch_size=args.batch_size, num_threads=args.num_threads,
         force=args.force, progress=True, seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity,
         weight_rounding=args.weight_rounding, device=args.device, layer_inputs=args.layer_inputs,
+        act_order=args.act_order,
     )
     if args.recipe_summary:
         print(summary)
@@ -374,7 +381,8 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model, scheme=args.scheme, recipe=args.recipe, context=args.context, prefill_len=args.prefill_len,
         calib_corpus=args.calib_corpus, calib_tokens=args.calib_tokens, batch_size=args.batch_size,
         seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity, weight_rounding=args.weight_rounding,
-        eval_corpus=args.eval_corpus, eval_tokens=args.eval_tokens, qnn_version=args.qnn_version,
+        layer_inputs=args.layer_inputs, act_order=args.act_order, eval_corpus=args.eval_corpus,
+        eval_tokens=args.eval_tokens, qnn_version=args.qnn_version,
         htp_arch=args.htp_arch, soc=args.soc, embedding_pattern=args.embedding_pattern,
         embedding_storage=args.embedding_storage, gen_tokens=args.gen_tokens,
         prompts=tuple(args.prompt) if args.prompt else PROMPTS, num_threads=args.num_threads, device=args.device,
@@ -484,9 +492,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-mode", choices=("onepass", "sequential"), default="onepass",
                    help="onepass: whole windows through the calibrate graph, encodings copied to decode and "
                         "prefill (fast); sequential: the decode graph token by token (the published reference, slow)")
-    p.add_argument("--layer-inputs", choices=("float", "quantized"), default="float",
-                   help="inputs SeqMSE and GPTQ fit each layer to: the float model's (default, one forward) or the "
-                        "quantized model's own, block by block, so each layer sees the rounding of all before it")
     p.add_argument("--recipe-summary", action="store_true", help="print which rule and scheme each layer got")
     p.add_argument("--out", required=True, metavar="DIR", help="artifact folder to write (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace an existing --out folder (only once the new one is complete)")

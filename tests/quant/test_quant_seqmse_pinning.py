@@ -54,6 +54,39 @@ def test_bad_candidate_count_is_refused():
                             rounding="nearest", progress=False)
 
 
+def test_sixteen_bit_weights_are_left_alone_and_a_recipe_of_only_those_is_refused():
+    from npuq.quant.recipe import Recipe, Rule
+
+    _, model = tiny_decoder("llama", seed=2, max_context=32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    windows = split_windows(_tokens(model.config.vocab_size, 64), 32)
+    mixed = Recipe("16a4w", (Rule("16a16w", op="linear", path=r"layers\.\d+\.mlp\.down_proj", priority=1),))
+    scales, _ = optimize_for_recipe(model, mixed, windows, seq_mse=None, granularity="channel", rounding="gptq",
+                                    progress=False)
+    after = model.state_dict()
+    down = [k for k in before if "down_proj.weight" in k]
+    assert down and all(torch.equal(before[k], after[k]) for k in down)  # 16-bit: kept as they are
+    assert not any("down_proj" in path for path in scales)
+    assert not torch.equal(before["layers.0.mlp.up_proj.weight"], after["layers.0.mlp.up_proj.weight"])  # 4-bit: rounded
+    with pytest.raises(NpuqError, match="do not apply to recipe '16a16w'.*drop"):
+        optimize_for_recipe(model, load_recipe("16a16w"), windows, seq_mse=None, granularity="channel",
+                            rounding="gptq", progress=False)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"seq_mse": None, "weight_rounding": "nearest", "layer_inputs": "float", "act_order": True}, "add --weight-rounding gptq"),
+    ({"seq_mse": None, "weight_rounding": "nearest", "layer_inputs": "quantized", "act_order": False}, "neither is on"),
+    ({"seq_mse": 0, "weight_rounding": "gptq", "layer_inputs": "float", "act_order": False}, "at least 1"),
+    ({"seq_mse": None, "weight_rounding": "stochastic", "layer_inputs": "float", "act_order": False}, "choose one of"),
+])
+def test_recovery_options_that_do_not_fit_together_are_refused(options, message):
+    from npuq.quant.run import check_recovery
+
+    with pytest.raises(NpuqError, match=message):
+        check_recovery(**options)
+    check_recovery(50, "gptq", "quantized", True)  # all of them together are fine
+
+
 def test_lpbq_scales_follow_the_observer_rule():
     from npuq.optimize.seqmse import lpbq_scale
     from npuq.quant.observers import LpbqPerChannelObserver

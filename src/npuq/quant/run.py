@@ -46,9 +46,31 @@ def calibration_thread_plan(model: Any, calibration_mode: str, context: int, num
     return plan
 
 
+MAX_OPTIMIZED_BITS = 8  # 16-bit weights round with an error far below the 16-bit activations'
+
+
+def check_recovery(seq_mse: int | None, weight_rounding: str, layer_inputs: str, act_order: bool) -> None:
+    """The accuracy-recovery options make sense together (checked before any model loads)."""
+    from npuq.optimize.driver import INPUTS, ROUNDINGS
+
+    if seq_mse is not None and seq_mse < 1:
+        raise NpuqError(f"--seq-mse {seq_mse}: the number of candidate scales must be at least 1 (the published default is 50)")
+    if weight_rounding not in ROUNDINGS:
+        raise NpuqError(f"--weight-rounding {weight_rounding!r}: choose one of {', '.join(ROUNDINGS)}")
+    if layer_inputs not in INPUTS:
+        raise NpuqError(f"--layer-inputs {layer_inputs!r}: choose one of {', '.join(INPUTS)}")
+    if act_order and weight_rounding != "gptq":
+        raise NpuqError("--act-order orders GPTQ's rounding and does nothing with nearest rounding: "
+                        "add --weight-rounding gptq, or drop --act-order")
+    if layer_inputs != "float" and seq_mse is None and weight_rounding == "nearest":
+        raise NpuqError(f"--layer-inputs {layer_inputs} chooses what SeqMSE and GPTQ fit to, and neither is on: "
+                        "add --seq-mse N and/or --weight-rounding gptq, or drop --layer-inputs")
+
+
 def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
-    """WeightSpec of every linear layer under ``recipe`` (module path → bits, block size; LPBQ
-    layers of 16a4w_block keep the backend's block-scale rule, see npuq.optimize.driver)."""
+    """WeightSpec of every linear layer under ``recipe`` whose weights have at most
+    MAX_OPTIMIZED_BITS bits (module path → bits, block size; LPBQ layers of 16a4w_block keep the
+    backend's block-scale rule, see npuq.optimize.driver)."""
     import torch
 
     from npuq.optimize.driver import WeightSpec
@@ -59,6 +81,8 @@ def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
         if not isinstance(module, torch.nn.Linear):
             continue
         scheme = recipe.resolve(path, "linear")[0]
+        if scheme.weight.bits > MAX_OPTIMIZED_BITS:
+            continue
         g = scheme.weight.granularity
         if isinstance(g, PerBlock):
             specs[path] = WeightSpec(bits=scheme.weight.bits, block_size=g.size, scale_bits=g.scale_bits,
@@ -70,33 +94,34 @@ def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
 
 def optimize_for_recipe(
     model: Any, recipe: Any, windows: Any, *, seq_mse: int | None, granularity: str, rounding: str, progress: bool,
-    device: Any = None, inputs: str = "float",
+    device: Any = None, inputs: str = "float", act_order: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """SeqMSE and/or GPTQ on every linear layer of the float ``model`` (weights rewritten in
     place on the chosen grid). Returns (module path → (O,) scales, or (O, blocks) for LPBQ, to
     pin; JSON summary).
     ``inputs``: "float" fits each layer to the float model's inputs, "quantized" to those of
-    the model with every earlier layer already rounded (npuq.optimize.driver).
+    the model with every earlier layer already rounded (npuq.optimize.driver). ``act_order``:
+    GPTQ rounds the columns in order of decreasing input energy.
 
     On a GPU ``device`` the model visits it for the Gram collection and the search and comes
     back to the CPU (where it is exported) with its rewritten weights."""
     from npuq.device import is_cpu
-    from npuq.optimize.driver import INPUTS, optimize_weights
+    from npuq.optimize.driver import optimize_weights
 
-    if seq_mse is not None and seq_mse < 1:
-        raise NpuqError(f"--seq-mse {seq_mse}: the number of candidate scales must be at least 1 (the published default is 50)")
-    if inputs not in INPUTS:
-        raise NpuqError(f"--layer-inputs {inputs!r}: choose one of {', '.join(INPUTS)}")
+    check_recovery(seq_mse, rounding, inputs, act_order)
     specs = linear_weight_specs(model, recipe)
+    if not specs:
+        raise NpuqError(f"SeqMSE and GPTQ do not apply to recipe {recipe.name!r}: every linear layer has "
+                        f"{MAX_OPTIMIZED_BITS + 1}+ bit weights, whose rounding error is already negligible; drop "
+                        "--seq-mse / --weight-rounding gptq, or choose a scheme with 8- or 4-bit weights")
     rows = [row.unsqueeze(0) for row in windows.rows()]
+    options = {"seq_mse": seq_mse, "granularity": granularity, "rounding": rounding, "progress": progress,
+               "inputs": inputs, "gptq_options": {"act_order": act_order}}
     if is_cpu(device):
-        results, timings = optimize_weights(model, rows, specs, seq_mse=seq_mse, granularity=granularity,
-                                            rounding=rounding, progress=progress, inputs=inputs)
+        results, timings = optimize_weights(model, rows, specs, **options)
     else:
         try:
-            results, timings = optimize_weights(model.to(device), rows, specs, seq_mse=seq_mse,
-                                                granularity=granularity, rounding=rounding, progress=progress,
-                                                inputs=inputs)
+            results, timings = optimize_weights(model.to(device), rows, specs, **options)
         finally:
             model.to("cpu")
     before = sum(r.loss_minmax for r in results.values())
@@ -104,7 +129,8 @@ def optimize_for_recipe(
     summary = {
         "seq_mse": {"candidates": seq_mse, "granularity": granularity if seq_mse else None,
                     "seconds": timings["seq_mse_seconds"]},
-        "weight_rounding": {"method": rounding, "seconds": timings["rounding_seconds"]},
+        "weight_rounding": {"method": rounding, "seconds": timings["rounding_seconds"],
+                            "act_order": act_order if rounding == "gptq" else None},
         "gram_seconds": timings["collect_seconds"],
         "layer_inputs": inputs,
         "layers": len(results),
@@ -133,12 +159,14 @@ def quantize_to_artifact(
     weight_rounding: str = "nearest",
     device: str = "cpu",
     layer_inputs: str = "float",
+    act_order: bool = False,
 ) -> tuple[dict[str, Any], str]:
     """Quantize ``model`` and write the artifact; returns (JSON result, recipe summary).
 
     ``seq_mse`` N searches N candidate weight scales per layer (npuq.optimize.seqmse);
     ``weight_rounding`` "gptq" rounds with error compensation instead of to nearest;
-    ``layer_inputs`` "quantized" fits both to the partly quantized model's own layer inputs.
+    ``layer_inputs`` "quantized" fits both to the partly quantized model's own layer inputs;
+    ``act_order`` makes GPTQ round the columns of largest input energy first.
     ``device`` (auto, cpu, cuda, cuda:N; :func:`npuq.device.resolve_device`) runs the Gram
     collection, the search and the calibration forwards; the artifact holds CPU tensors.
     """
@@ -153,6 +181,7 @@ def quantize_to_artifact(
     if calibration_mode not in CALIBRATION_MODES:
         raise NpuqError(f"unknown --calibration-mode {calibration_mode!r}; choose one of {', '.join(CALIBRATION_MODES)}")
     check_destination(out, force)  # cheap checks first: the model takes seconds to load
+    check_recovery(seq_mse, weight_rounding, layer_inputs, act_order)
     chosen = load_recipe(recipe, scheme, model)
     if calib_tokens < context:
         raise NpuqError(f"--calib-tokens {calib_tokens} is less than one window of --context {context}: raise it or lower the context")
@@ -174,7 +203,7 @@ def quantize_to_artifact(
             weight_scales, optimized = optimize_for_recipe(
                 loaded.model, chosen, split_windows(tokens, context), seq_mse=seq_mse,
                 granularity=seq_mse_granularity, rounding=weight_rounding, progress=progress, device=target,
-                inputs=layer_inputs,
+                inputs=layer_inputs, act_order=act_order,
             )
     qm = quantize_model(
         loaded.model, chosen, tokens, context=context, mode=calibration_mode, prefill_len=prefill_len,

@@ -49,6 +49,8 @@ class RunOptions:
     seq_mse: int | None = None
     seq_mse_granularity: str = "channel"
     weight_rounding: str = "nearest"
+    layer_inputs: str = "float"
+    act_order: bool = False
     eval_corpus: str = "builtin"
     eval_tokens: int = 4096
     qnn_version: str | None = None
@@ -64,7 +66,7 @@ class RunOptions:
 
     def quantize_inputs(self) -> dict[str, Any]:
         keys = ("scheme", "recipe", "context", "prefill_len", "calib_corpus", "calib_tokens", "batch_size",
-                "seq_mse", "seq_mse_granularity", "weight_rounding")
+                "seq_mse", "seq_mse_granularity", "weight_rounding", "layer_inputs", "act_order")
         inputs = {k: getattr(self, k) for k in keys}
         if self.recipe and Path(self.recipe).is_file():  # a recipe file: its content, not its name
             inputs["recipe_text"] = Path(self.recipe).read_text(encoding="utf-8")
@@ -161,6 +163,7 @@ class Job:
                 calib_tokens=o.calib_tokens, context=o.context, prefill_len=o.prefill_len, batch_size=o.batch_size,
                 num_threads=o.num_threads, progress=self.progress, seq_mse=o.seq_mse,
                 seq_mse_granularity=o.seq_mse_granularity, weight_rounding=o.weight_rounding, device=str(self.device),
+                layer_inputs=o.layer_inputs, act_order=o.act_order,
             )
             result["artifact"] = "artifact"  # relative to the stage folder
             return {**result, "recipe_summary": summary}
@@ -274,6 +277,7 @@ class Job:
         from npuq.lower.registry import LowerOptions
         from npuq.lower.target import resolve_target
         from npuq.quant.recipe import load_recipe
+        from npuq.quant.run import check_recovery
 
         o = self.options
         if o.eval_tokens < 2 or o.gen_tokens < 1 or o.sqnr_tokens < 1:
@@ -281,8 +285,7 @@ class Job:
         if o.calib_tokens < o.context:
             raise NpuqError(f"--calib-tokens {o.calib_tokens} is less than one window of --context {o.context}: "
                             "raise it or lower the context")
-        if o.seq_mse is not None and o.seq_mse < 1:
-            raise NpuqError(f"--seq-mse {o.seq_mse}: the number of candidate scales must be at least 1")
+        check_recovery(o.seq_mse, o.weight_rounding, o.layer_inputs, o.act_order)
         check_context(o.context)
         load_recipe(o.recipe, o.scheme, o.model)
         LowerOptions(o.embedding_pattern, o.embedding_storage)
