@@ -159,12 +159,13 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                    help="one scale multiplier per output channel (default) or one per layer (the published method)")
     p.add_argument("--weight-rounding", choices=("nearest", "gptq"), default="nearest",
                    help="round weights to the nearest code, or with GPTQ's error compensation (same int format)")
-    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ rounds the input columns of largest energy first (the published act-order "
-                        "heuristic; the scales are fixed beforehand, so the format is unchanged) (default: off)")
-    p.add_argument("--layer-inputs", choices=("float", "quantized"), default="float",
-                   help="inputs SeqMSE and GPTQ fit each layer to: the float model's (default, one forward) or the "
-                        "quantized model's own, block by block, so each layer sees the rounding of all before it")
+                        "heuristic; the scales are fixed beforehand, so the format is unchanged) "
+                        "(default: on with --weight-rounding gptq)")
+    p.add_argument("--layer-inputs", choices=("float", "quantized"), default=None,
+                   help="inputs SeqMSE and GPTQ fit each layer to: the quantized model's own, block by block, so "
+                        "each layer sees the rounding of all before it (default), or the float model's (one forward)")
 
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:

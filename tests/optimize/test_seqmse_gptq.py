@@ -175,3 +175,16 @@ def test_gptq_act_order_changes_only_the_column_order():
     err = lambda q: ((x @ (weight - q).T) ** 2).sum()
     assert err(codes.float() * scale.unsqueeze(1)) < err(fake_quantize(weight, scale, 4))
 
+
+
+def test_gptq_act_order_helps_when_outlier_inputs_come_last():
+    # LLM activations have a few input channels of outsized energy. In natural order GPTQ rounds
+    # them last, with no columns left to absorb their error; act-order rounds them first.
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(32, 64, generator=g)
+    energy = torch.ones(64)
+    energy[-4:] = 30.0
+    x = (torch.randn(512, 64, generator=g) @ (torch.eye(64) + 0.3 * torch.randn(64, 64, generator=g))) * energy
+    gram, scale = _gram(x), minmax_scale(weight, 4)
+    err = lambda codes: ((x @ (weight - codes.float() * scale.unsqueeze(1)).T) ** 2).sum()
+    assert err(gptq_codes(weight, gram, scale, 4, act_order=True)) < 0.8 * err(gptq_codes(weight, gram, scale, 4))

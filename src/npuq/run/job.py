@@ -49,8 +49,8 @@ class RunOptions:
     seq_mse: int | None = None
     seq_mse_granularity: str = "channel"
     weight_rounding: str = "nearest"
-    layer_inputs: str = "float"
-    act_order: bool = False
+    layer_inputs: str | None = None  # None for either: npuq.quant.run.resolve_recovery's defaults
+    act_order: bool | None = None
     eval_corpus: str = "builtin"
     eval_tokens: int = 4096
     qnn_version: str | None = None
@@ -277,7 +277,7 @@ class Job:
         from npuq.lower.registry import LowerOptions
         from npuq.lower.target import resolve_target
         from npuq.quant.recipe import load_recipe
-        from npuq.quant.run import check_recovery
+        from npuq.quant.run import resolve_recovery
 
         o = self.options
         if o.eval_tokens < 2 or o.gen_tokens < 1 or o.sqnr_tokens < 1:
@@ -285,7 +285,7 @@ class Job:
         if o.calib_tokens < o.context:
             raise NpuqError(f"--calib-tokens {o.calib_tokens} is less than one window of --context {o.context}: "
                             "raise it or lower the context")
-        check_recovery(o.seq_mse, o.weight_rounding, o.layer_inputs, o.act_order)
+        resolve_recovery(o.seq_mse, o.weight_rounding, o.layer_inputs, o.act_order)
         check_context(o.context)
         load_recipe(o.recipe, o.scheme, o.model)
         LowerOptions(o.embedding_pattern, o.embedding_storage)
