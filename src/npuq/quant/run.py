@@ -123,7 +123,7 @@ def optimize_for_recipe(
     specs = linear_weight_specs(model, recipe)
     if not specs:
         raise NpuqError(f"SeqMSE and GPTQ do not apply to recipe {recipe.name!r}: every linear layer has "
-                        f"{MAX_OPTIMIZED_BITS + 1}+ bit weights, whose rounding error is already negligible; drop "
+                        f"weights wider than {MAX_OPTIMIZED_BITS} bits, whose rounding error is already negligible; drop "
                         "--seq-mse / --weight-rounding gptq, or choose a scheme with 8- or 4-bit weights")
     rows = [row.unsqueeze(0) for row in windows.rows()]
     options = {"seq_mse": seq_mse, "granularity": granularity, "rounding": rounding, "progress": progress,
