@@ -1,12 +1,19 @@
 """Suite-wide setup: npuq's cache (GGUF metadata, thread tuning) goes to a fresh temporary folder;
-the tiny artifact and export folders the reader tests start from."""
+Ctrl-C reaches the suite and its child processes as in a terminal; the tiny artifact and export
+folders the reader tests start from."""
 
 import os
+import signal
 import tempfile
 
 import pytest
 
 os.environ["NPUQ_CACHE_DIR"] = tempfile.mkdtemp(prefix="npuq-test-cache-")
+# A suite started in the background of a non-interactive shell inherits SIGINT ignored (POSIX),
+# and so would every npuq process it starts: the interruption tests would wait forever on a
+# Ctrl-C that never arrives. A handler (unlike "ignored") is reset to the default in children.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
