@@ -26,7 +26,6 @@ from npuq.quant.run import corpus_tokens, optimize_for_recipe
 from npuq.runtime.runner import forward_logits
 
 
-
 def config(label: str, recipe: str, seq_mse: int | None = None, granularity: str = "channel", rounding: str = "nearest",
            inputs: str = "float", act_order: bool = False) -> dict:
     return {"config": label, "recipe": recipe, "seq_mse": seq_mse, "granularity": granularity if seq_mse else None,

@@ -176,7 +176,6 @@ def test_gptq_act_order_changes_only_the_column_order():
     assert err(codes.float() * scale.unsqueeze(1)) < err(fake_quantize(weight, scale, 4))
 
 
-
 def test_gptq_act_order_helps_when_outlier_inputs_come_last():
     # LLM activations have a few input channels of outsized energy. In natural order GPTQ rounds
     # them last, with no columns left to absorb their error; act-order rounds them first.
