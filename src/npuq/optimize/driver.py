@@ -41,6 +41,7 @@ from npuq.optimize.seqmse import (
 
 ROUNDINGS = ("nearest", "gptq")
 INPUTS = ("float", "quantized")
+MAX_BITS = 8  # codes are int8; wider weights (16-bit) round with an error far below 16-bit activations'
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class WeightSpec:
     block_size: int | None = None
     scale_bits: int | None = None
     eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= MAX_BITS:
+            raise ValueError(f"weight bits must be 2..{MAX_BITS} (int8 codes), got {self.bits}")
 
 
 @dataclass(frozen=True)

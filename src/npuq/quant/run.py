@@ -46,9 +46,6 @@ def calibration_thread_plan(model: Any, calibration_mode: str, context: int, num
     return plan
 
 
-MAX_OPTIMIZED_BITS = 8  # 16-bit weights round with an error far below the 16-bit activations'
-
-
 def resolve_recovery(
     seq_mse: int | None, weight_rounding: str, layer_inputs: str | None, act_order: bool | None
 ) -> tuple[str, bool]:
@@ -78,12 +75,12 @@ def resolve_recovery(
 
 
 def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
-    """WeightSpec of every linear layer under ``recipe`` whose weights have at most
-    MAX_OPTIMIZED_BITS bits (module path → bits, block size; LPBQ layers of 16a4w_block keep the
-    backend's block-scale rule, see npuq.optimize.driver)."""
+    """WeightSpec of every linear layer under ``recipe`` whose weights the driver can optimise
+    (at most its MAX_BITS): module path → bits, block size; LPBQ layers of 16a4w_block keep the
+    backend's block-scale rule (npuq.optimize.driver)."""
     import torch
 
-    from npuq.optimize.driver import WeightSpec
+    from npuq.optimize.driver import MAX_BITS, WeightSpec
     from npuq.quant.schemes import PerBlock
 
     specs = {}
@@ -91,7 +88,7 @@ def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
         if not isinstance(module, torch.nn.Linear):
             continue
         scheme = recipe.resolve(path, "linear")[0]
-        if scheme.weight.bits > MAX_OPTIMIZED_BITS:
+        if scheme.weight.bits > MAX_BITS:
             continue
         g = scheme.weight.granularity
         if isinstance(g, PerBlock):
@@ -117,13 +114,13 @@ def optimize_for_recipe(
     On a GPU ``device`` the model visits it for the Gram collection and the search and comes
     back to the CPU (where it is exported) with its rewritten weights."""
     from npuq.device import is_cpu
-    from npuq.optimize.driver import optimize_weights
+    from npuq.optimize.driver import MAX_BITS, optimize_weights
 
     inputs, act_order = resolve_recovery(seq_mse, rounding, inputs, act_order)
     specs = linear_weight_specs(model, recipe)
     if not specs:
         raise NpuqError(f"SeqMSE and GPTQ do not apply to recipe {recipe.name!r}: every linear layer has "
-                        f"weights wider than {MAX_OPTIMIZED_BITS} bits, whose rounding error is already negligible; drop "
+                        f"weights wider than {MAX_BITS} bits, whose rounding error is already negligible; drop "
                         "--seq-mse / --weight-rounding gptq, or choose a scheme with 8- or 4-bit weights")
     rows = [row.unsqueeze(0) for row in windows.rows()]
     options = {"seq_mse": seq_mse, "granularity": granularity, "rounding": rounding, "progress": progress,
