@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 
-from npuq.artifact import write_json
-from npuq.calibrate.windows import split_windows
+from npuq.fsio import write_json
+from npuq.calibrate.split import split_windows
 from npuq.data import load_corpus
 from npuq.eval.perplexity import evaluate_perplexity
 from npuq.models import load_model
-from npuq.quant.pipeline import fold_constant_dequant, quantize_model
+from npuq.quantize.pt2e import fold_constant_dequant, quantize_model
 from npuq.quant.recipe import load_recipe
-from npuq.quant.run import corpus_tokens, optimize_for_recipe
+from npuq.data.corpora import corpus_tokens
+from npuq.optimize.recovery import optimize_for_recipe
 from npuq.runtime.runner import forward_logits
 
 

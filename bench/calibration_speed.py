@@ -43,18 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="threads for float and one-pass (default: torch's count)")
     p.add_argument("--sequential-threads", type=int, default=1,
                    help="threads for sequential decode calibration (default 1: on this 2-vCPU machine a decode "
-                        "step is faster with 1 than with 2, REFERENCE.md §4, so 1 is the fair baseline)")
+                        "step is faster with 1 than with 2, docs/design.md §4, so 1 is the fair baseline)")
     p.add_argument("--json", default="out/bench/calibration_speed.json", help="output file ('-' for stdout only)")
     args = p.parse_args(argv)
 
     from npuq.calibrate.encodings import collect_encodings
     from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
     from npuq.calibrate.transfer import copy_observer_state
-    from npuq.calibrate.windows import split_windows
+    from npuq.calibrate.split import split_windows
     from npuq.models import load_model
-    from npuq.quant.pipeline import prepare_graph
+    from npuq.quantize.pt2e import prepare_graph
     from npuq.quant.recipe import load_recipe
-    from npuq.quant.run import corpus_tokens
+    from npuq.data.corpora import corpus_tokens
     from npuq.runtime.runner import step_inputs
     from npuq.threads.scope import thread_scope
 

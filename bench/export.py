@@ -44,8 +44,8 @@ import torch
 
 def tiny_artifact(folder: Path, context: int, prefill_len: int) -> Path:
     from npuq.models.tiny import tiny_decoder
-    from npuq.quant.artifact import save_artifact
-    from npuq.quant.pipeline import quantize_model
+    from npuq.quantize.artifact import save_artifact
+    from npuq.quantize.pt2e import quantize_model
     from npuq.quant.recipe import load_recipe
 
     _, model = tiny_decoder("llama", max_context=context)
@@ -173,8 +173,8 @@ def pcq_embedding_error(artifact: Path, config: dict) -> dict | None:
     import numpy as np
 
     from npuq.lower import pcq
-    from npuq.lower.encoding import Encoding, storage_type
-    from npuq.quant.artifact import load_program
+    from npuq.lower.qparams import Encoding, storage_type
+    from npuq.quantize.artifact import load_program
 
     gm = load_program(artifact / config["programs"]["decode"]["file"]).module()
     node = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.embedding.default),
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
     from npuq.eval.perplexity import window_loglikelihood
     from npuq.lower.export import export_artifact
     from npuq.models.config import ModelConfig
-    from npuq.quant.artifact import load_artifact, read_artifact
+    from npuq.quantize.artifact import load_artifact, read_artifact
     from npuq.runtime import ort
     from npuq.threads import scope_or_keep
 
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
                 tokenizer = ByteTokenizer()
             else:
                 from npuq.models import load_model
-                from npuq.runtime.programs import _model_source
+                from npuq.pipeline.programs import _model_source
 
                 tokenizer = load_model(_model_source(config.get("model", {}), str(artifact))).tokenizer
             ctx = args.context or context

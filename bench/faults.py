@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from npuq.artifact import write_json
+from npuq.fsio import write_json
 from npuq.errors import NpuqError
 
 Mutation = Callable[[random.Random], bytes]
@@ -120,10 +120,10 @@ def build_readers(root: Path) -> list[Reader]:
     from npuq.lower.export import export_artifact, read_manifest
     from npuq.models import load_model
     from npuq.models.tiny import tiny_decoder, tiny_hf_model
-    from npuq.quant.artifact import load_program, read_artifact, save_artifact
-    from npuq.quant.pipeline import quantize_model
+    from npuq.quantize.artifact import load_program, read_artifact, save_artifact
+    from npuq.quantize.pt2e import quantize_model
     from npuq.quant.recipe import load_recipe
-    from npuq.runtime.ort import load_export
+    from npuq.lower.ort import load_export
 
     hf = tiny_hf_model("llama")
     write_tiny_llama_gguf(root / "tiny.gguf", hf)

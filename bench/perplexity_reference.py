@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     max_tokens = args.max_tokens or None
 
-    from npuq.artifact import write_json
+    from npuq.fsio import write_json
     from npuq.data import load_corpus
     from npuq.eval.perplexity import evaluate_model
     from npuq.models import load_model

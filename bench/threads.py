@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from npuq.artifact import write_json
+from npuq.fsio import write_json
 from npuq.models import load_model
 from npuq.threads import EXHAUSTIVE, TuneSettings, cpu_limits, cpu_model, tune
-from npuq.threads.workloads import phase_workload
+from npuq.runtime.workloads import phase_workload
 
 TARGET = 0.05  # the choice may be at most 5 % slower than the oracle's fastest count
 

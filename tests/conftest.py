@@ -28,8 +28,8 @@ def tiny_folders(tmp_path_factory):
 
     from npuq.lower.export import export_artifact
     from npuq.models.tiny import tiny_decoder
-    from npuq.quant.artifact import save_artifact
-    from npuq.quant.pipeline import quantize_model
+    from npuq.quantize.artifact import save_artifact
+    from npuq.quantize.pt2e import quantize_model
     from npuq.quant.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("tiny-folders")

@@ -209,7 +209,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.artifact or args.onnx):  # cheap checks before the model loads (the graphs fix their own)
         _check_fits(args.context, prefill_len=args.prefill_len, max_new_tokens=args.max_new_tokens)
     if args.artifact or args.onnx:
-        from npuq.runtime.programs import open_programs
+        from npuq.pipeline.programs import open_programs
 
         programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(device)
         graphs, context = programs.graphs, programs.context  # the graphs' shapes fix the context
@@ -271,7 +271,7 @@ def _eval_quantized(args: argparse.Namespace, documents: Any, device: Any) -> di
     run on ``device``."""
     from npuq.eval.perplexity import evaluate_perplexity
     from npuq.models import load_model
-    from npuq.runtime.programs import open_programs
+    from npuq.pipeline.programs import open_programs
     from npuq.threads import scope_or_keep
 
     programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
@@ -283,7 +283,7 @@ def _eval_quantized(args: argparse.Namespace, documents: Any, device: Any) -> di
     threads = args.num_threads
     if threads == 0 and device.type == "cpu":  # the prefill phase's tuned (or cached) count
         from npuq.threads import plan_threads
-        from npuq.threads.workloads import phase_workload
+        from npuq.runtime.workloads import phase_workload
 
         workload = phase_workload(loaded.model, "prefill", programs.context, max(programs.graphs))
         threads = plan_threads({"prefill": workload}, 0)[0].threads["prefill"]
@@ -298,7 +298,7 @@ def _eval_quantized(args: argparse.Namespace, documents: Any, device: Any) -> di
 def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.models import load_model
     from npuq.threads import cpu_limits, tune_cached
-    from npuq.threads.workloads import PHASES, phase_workload
+    from npuq.runtime.workloads import PHASES, phase_workload
 
     phases = list(PHASES) if "all" in args.phase else list(dict.fromkeys(args.phase))
     _check_fits(args.context, prefill_len=args.prefill_len)
@@ -338,7 +338,7 @@ def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- quantize
 def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
-    from npuq.quant.run import quantize_to_artifact
+    from npuq.quantize.stage import quantize_to_artifact
 
     result, summary = quantize_to_artifact(
         args.model, args.out, scheme=args.scheme, recipe=args.recipe, corpus=args.calib_corpus,
@@ -376,7 +376,7 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- run
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
-    from npuq.run.job import PROMPTS, RunOptions, run_job
+    from npuq.pipeline.job import PROMPTS, RunOptions, run_job
 
     options = RunOptions(
         model=args.model, scheme=args.scheme, recipe=args.recipe, context=args.context, prefill_len=args.prefill_len,
@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = func(args)
         if args.json:
-            from npuq.artifact import write_json
+            from npuq.fsio import write_json
 
             write_json(args.json, result)
     except NpuqError as exc:

@@ -10,7 +10,7 @@ from npuq.cli import main
 from npuq.device import resolve_device
 from npuq.errors import NpuqError
 from npuq.models.tiny import tiny_hf_model
-from npuq.quant.artifact import load_artifact
+from npuq.quantize.artifact import load_artifact
 
 CONTEXT = 16
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -8,8 +8,8 @@ import torch
 
 from npuq.eval.layers import layer_errors, sqnr_db, worst
 from npuq.models.tiny import tiny_decoder
-from npuq.quant.artifact import load_artifact, save_artifact
-from npuq.quant.pipeline import quantize_model
+from npuq.quantize.artifact import load_artifact, save_artifact
+from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import RECIPES
 from npuq.runtime.runner import example_inputs
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from npuq.calibrate.encodings import read_encodings
 from npuq.errors import NpuqError
 from npuq.lower.export import read_manifest
-from npuq.quant.artifact import load_program, read_artifact
+from npuq.quantize.artifact import load_program, read_artifact
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SLOW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -13,7 +13,7 @@ from npuq.lower.export import read_manifest
 from npuq.models import load_model
 from npuq.models.config import ModelConfig
 from npuq.models.tiny import tiny_decoder, tiny_hf_model
-from npuq.quant.artifact import load_artifact, read_artifact
+from npuq.quantize.artifact import load_artifact, read_artifact
 from npuq.quant.recipe import load_recipe
 
 

@@ -32,7 +32,7 @@ ACT_U16 = QuantizationSpec(
 )
 
 
-# Second input of an activation x activation matmul: int16 symmetric (REFERENCE.md §1).
+# Second input of an activation x activation matmul: int16 symmetric (docs/design.md §1).
 ACT_I16 = QuantizationSpec(
     dtype=torch.int16, quant_min=-32767, quant_max=32767, qscheme=torch.per_tensor_symmetric,
     observer_or_fake_quant_ctr=MinMaxObserver.with_args(

@@ -8,11 +8,11 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-from npuq.lower.encoding import quantize
+from npuq.lower.qparams import quantize
 from npuq.lower.onnx_writer import UnsupportedOp, lower_program
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import QnnVersion, Target
-from npuq.runtime.ort import cpu_session
+from npuq.lower.ort import cpu_session
 from pt2e_tiny import quantize_module
 
 NEW_SDK_73 = Target(QnnVersion(2, 51, 0), "test", 73)

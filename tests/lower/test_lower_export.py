@@ -13,7 +13,7 @@ from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.lower import target as target_mod
 from npuq.lower.export import export_artifact
-from npuq.runtime.ort import load_export, qnn_available
+from npuq.lower.ort import load_export, qnn_available
 from npuq.runtime.runner import StaticRunner
 
 CONTEXT, PREFILL = 16, 4
@@ -21,8 +21,8 @@ CONTEXT, PREFILL = 16, 4
 
 def _quantize(tmp_path_factory, name, scheme, embedding=None):
     from npuq.models.tiny import tiny_decoder
-    from npuq.quant.artifact import save_artifact
-    from npuq.quant.pipeline import quantize_model
+    from npuq.quantize.artifact import save_artifact
+    from npuq.quantize.pt2e import quantize_model
     from npuq.quant.recipe import load_recipe
 
     _, model = tiny_decoder(name, max_context=CONTEXT)
@@ -85,7 +85,7 @@ def test_runner_matches_artifact(exported, artifact, provider):
     (measured 0.05 % on the CPU, 0.2 % on the HTP)."""
     if provider == "htp" and qnn_available():
         pytest.skip(qnn_available())
-    from npuq.quant.artifact import load_artifact
+    from npuq.quantize.artifact import load_artifact
 
     _, out = exported
     manifest, graphs = load_export(out, provider)
@@ -111,7 +111,7 @@ def test_lpbq_and_pcq_run_on_htp(pcq_artifact, tmp_path):
     if qnn_available():
         pytest.skip(qnn_available())
     export_artifact(pcq_artifact, tmp_path / "out", qnn_version="2.51", htp_arch=73)
-    from npuq.quant.artifact import load_artifact
+    from npuq.quantize.artifact import load_artifact
 
     manifest, graphs = load_export(tmp_path / "out", "htp")
     from npuq.models.config import ModelConfig
@@ -201,7 +201,7 @@ def test_cli_json(artifact, tmp_path, capsys):
 
 
 def test_kv_encoding_mismatch_is_refused():
-    from npuq.lower.encoding import Encoding
+    from npuq.lower.qparams import Encoding
     from npuq.lower.export import check_kv_encodings
     from npuq.lower.onnx_writer import IOSpec, LoweredGraph
 

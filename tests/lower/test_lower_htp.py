@@ -11,11 +11,11 @@ import torch
 
 from conftest import lower_tiny
 from npuq.errors import NpuqError
-from npuq.lower.encoding import quantize
+from npuq.lower.qparams import quantize
 from npuq.lower.onnx_writer import lower_program
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import QnnVersion, Target
-from npuq.runtime.ort import cpu_session, float_compute_units, htp_node_units, htp_session, qnn_available
+from npuq.lower.ort import cpu_session, float_compute_units, htp_node_units, htp_session, qnn_available
 
 pytestmark = pytest.mark.skipif(qnn_available() is not None, reason=str(qnn_available()))
 
@@ -40,7 +40,7 @@ def _htp_vs_cpu(lg, calib, arch):
 @pytest.mark.parametrize("family, mode", [("llama", "decode"), ("llama", "prefill"), ("smollm3", "prefill")])
 def test_tiny_decoder_on_htp(tiny_programs, family, mode):
     """Bound: logits within 1 % of their largest magnitude of the exact CPU result (measured
-    0.15-0.3 %; REFERENCE.md §6: "well under 1 %"), KV codes within 1 % of the uint16 range."""
+    0.15-0.3 %; docs/design.md §6: "well under 1 %"), KV codes within 1 % of the uint16 range."""
     model, calib, cgm = tiny_programs(family, mode)
     rel, kv = _htp_vs_cpu(lower_tiny(model, cgm), calib, 73)
     assert rel < 0.01

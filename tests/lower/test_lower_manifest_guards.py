@@ -10,7 +10,7 @@ import pytest
 from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.lower.export import read_manifest
-from npuq.runtime.ort import load_export
+from npuq.lower.ort import load_export
 
 
 def _copy(folder: Path, tmp_path: Path) -> Path:

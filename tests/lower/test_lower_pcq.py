@@ -1,11 +1,11 @@
-"""PCQ embedding arithmetic against an integer reference (REFERENCE.md §6)."""
+"""PCQ embedding arithmetic against an integer reference (docs/design.md §6)."""
 
 import numpy as np
 import pytest
 from onnx import TensorProto
 
 from npuq.lower import pcq
-from npuq.lower.encoding import Encoding, affine_for_range, dequantize
+from npuq.lower.qparams import Encoding, affine_for_range, dequantize
 
 ROWS, DIM = 64, 32
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import lower_tiny
-from npuq.lower.encoding import dequantize, quantize
+from npuq.lower.qparams import dequantize, quantize
 from npuq.lower.onnx_writer import lower_program
-from npuq.runtime.ort import cpu_session
+from npuq.lower.ort import cpu_session
 
 
 def feeds_for(lg, inputs):

@@ -18,7 +18,7 @@ from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.lower.export import export_artifact
 from npuq.quant import pipeline
-from npuq.quant.artifact import (
+from npuq.quantize.artifact import (
     estimate_artifact_bytes,
     load_artifact,
     load_program,
@@ -131,7 +131,7 @@ def test_damaged_encodings_are_refused_before_the_programs_load(tiny_folders, tm
     enc = json.loads((art / "encodings.json").read_text())
     enc["activation_encodings"][3]["scale"][0] = -1.0
     (art / "encodings.json").write_text(json.dumps(enc))
-    import npuq.quant.artifact as artifact_mod
+    import npuq.quantize.artifact as artifact_mod
 
     monkeypatch.setattr(artifact_mod, "load_program", lambda path: pytest.fail("loaded a program first"))
     name = enc["activation_encodings"][3]["name"]

@@ -19,7 +19,7 @@ from npuq.models.tiny import tiny_hf_model
 DRIVER = """
 import os, sys, time
 from npuq import cli
-import npuq.quant.pipeline as pipeline
+import npuq.quantize.pt2e as pipeline
 import torch
 
 def wait_for_signal():

@@ -7,7 +7,7 @@ import torch
 
 from npuq.models.tiny import tiny_decoder
 from npuq.quant.graph import in_rmsnorm
-from npuq.quant.pipeline import quantize_model
+from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import Recipe
 
 CONTEXT = 16

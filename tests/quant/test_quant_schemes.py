@@ -1,4 +1,4 @@
-"""Scheme presets are data: one table, validated formats, the storage conventions of REFERENCE.md §1."""
+"""Scheme presets are data: one table, validated formats, the storage conventions of docs/design.md §1."""
 
 import pytest
 import torch

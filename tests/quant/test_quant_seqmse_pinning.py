@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from npuq.calibrate.windows import split_windows
+from npuq.calibrate.split import split_windows
 from npuq.errors import NpuqError
 from npuq.models.tiny import tiny_decoder
-from npuq.quant.pipeline import quantize_model
+from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import load_recipe
-from npuq.quant.run import optimize_for_recipe
+from npuq.optimize.recovery import optimize_for_recipe
 from npuq.runtime.runner import forward_logits
 
 
@@ -80,7 +80,7 @@ def test_sixteen_bit_weights_are_left_alone_and_a_recipe_of_only_those_is_refuse
     ({"seq_mse": None, "weight_rounding": "stochastic", "layer_inputs": "float", "act_order": False}, "choose one of"),
 ])
 def test_recovery_options_that_do_not_fit_together_are_refused(options, message):
-    from npuq.quant.run import resolve_recovery
+    from npuq.optimize.recovery import resolve_recovery
 
     with pytest.raises(NpuqError, match=message):
         resolve_recovery(**options)

@@ -1,6 +1,6 @@
 """Quantized weights match an independent integer reference; quantized logits stay close to float.
 
-The integer reference below is written from REFERENCE.md §1, not from npuq's code:
+The integer reference below is written from docs/design.md §1, not from npuq's code:
 symmetric per output channel, scale = max|w| / qmax, codes = clamp(round(w / scale), ±qmax);
 LPBQ: per block of 32 inputs s_b = max|w_b| / 7, base = max_b s_b / 16, block scale =
 base · clamp(ceil(s_b / base), 1, 16).
@@ -13,7 +13,7 @@ import torch
 
 from npuq.models.tiny import tiny_decoder
 from npuq.quant.graph import module_path
-from npuq.quant.pipeline import quantize_model
+from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import Recipe
 from npuq.runtime.runner import forward_logits
 

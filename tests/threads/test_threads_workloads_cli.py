@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from npuq.errors import NpuqError
-from npuq.threads.workloads import phase_workload, phase_workloads
+from npuq.runtime.workloads import phase_workload, phase_workloads
 
 
 @pytest.fixture(scope="module")

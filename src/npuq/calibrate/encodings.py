@@ -106,7 +106,7 @@ def read_encodings(path: str | os.PathLike) -> dict[str, Any]:
     """encodings.json as :func:`collect_encodings` writes it, checked entry by entry: names,
     dtype and bit width, encoding type, and per-entry lists of finite scales (> 0), integer
     offsets and finite min/max of one common length. :class:`NpuqError` names the first problem."""
-    from npuq.artifact import read_json
+    from npuq.fsio import read_json
 
     where, again = f"{path}", "quantize the model again"
     data = read_json(path, "encodings", again)

@@ -1,9 +1,9 @@
 """The two calibration engines: one pass over whole windows, or AR-1 decode token by token.
 
-Both see the same windows (:func:`npuq.calibrate.windows.split_windows`), each a fresh
+Both see the same windows (:func:`npuq.calibrate.split.split_windows`), each a fresh
 sequence from position 0 with an empty cache, and only real tokens: with min/max observers
 the row t of a full causal forward carries exactly the values decode step t computes
-(REFERENCE.md §3), so the two give the same encodings except for tensors whose content
+(docs/design.md §3), so the two give the same encodings except for tensors whose content
 depends on the cache length (see tests/calibrate/test_calibrate_onepass_vs_sequential.py).
 Both run where the windows are (:meth:`CalibrationWindows.to`); the graph must be there too
 (:func:`npuq.device.move_graph`).
@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch.fx import GraphModule
 
-from npuq.calibrate.windows import CalibrationWindows
+from npuq.calibrate.split import CalibrationWindows
 from npuq.models.config import ModelConfig
 from npuq.quant.observers import check_observers
 from npuq.runtime.runner import StaticRunner, step_inputs

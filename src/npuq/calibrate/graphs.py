@@ -1,4 +1,4 @@
-"""Export the three graphs of one model (REFERENCE.md §2) as PT2E-ready GraphModules.
+"""Export the three graphs of one model (docs/design.md §2) as PT2E-ready GraphModules.
 
 - calibrate: T = L tokens, no cache; exported with dynamic batch and length, so one observed
   graph takes whole windows many per batch and a short tail as its own smaller forward (no

@@ -57,6 +57,21 @@ def load_corpus(spec: str, split: str = "eval") -> list[Document]:
     return docs
 
 
+def corpus_tokens(tokenizer: Any, corpus: Any, n_tokens: int, split: str = "calib") -> list[int]:
+    """The first ``n_tokens`` tokens of the corpus's ``split`` (``corpus``: a spec, or documents
+    already loaded): each document prefixed with BOS (else EOS), documents concatenated in id order."""
+    prefix = getattr(tokenizer, "bos_token_id", None)
+    if prefix is None:
+        prefix = getattr(tokenizer, "eos_token_id", None)
+    ids: list[int] = []
+    for doc in load_corpus(corpus, split) if isinstance(corpus, str) else corpus:
+        if len(ids) >= n_tokens:
+            break
+        body = list(tokenizer.encode(doc.target, add_special_tokens=False))
+        ids += ([prefix] if prefix is not None else []) + body
+    return ids[:n_tokens]
+
+
 def replaced_characters(docs: list[Document]) -> int:
     """How many undecodable byte sequences the documents' source held (each read as U+FFFD)."""
     return sum(d.replaced for d in docs)

@@ -3,11 +3,12 @@
     target.py        QNN SDK version (flag, $QNN_SDK_ROOT build id, onnxruntime-qnn) and HTP arch
     registry.py      builders keyed by op and minimum SDK / arch; picks the newest that applies
     builders/        one module per op family (qdq, shape, elementwise, linear, matmul, embedding, norm)
-    encoding.py      encodings and their pure integer arithmetic
+    qparams.py       encodings (scale, zero point, range, storage type) and their integer arithmetic
     pcq.py           per-channel embedding patterns (legacy, optimized) in numpy
     patterns.py      multi-node patterns lowered as one op (RMSNorm)
     onnx_writer.py   walks the program, runs the builders, writes the graph
     export.py        artifact → decode.onnx + prefill.onnx + manifest.json
+    ort.py           ONNX Runtime sessions of an export folder (CPU exact QDQ, QNN HTP emulator)
 """
 
 from npuq.lower.onnx_writer import IOSpec, LoweredGraph, UnsupportedOp, lower_program

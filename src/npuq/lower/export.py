@@ -24,12 +24,12 @@ from typing import Any
 
 import onnx
 
-from npuq.artifact import atomic_dir, read_json, resolve_inside
+from npuq.fsio import atomic_dir, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, resolve_target
-from npuq.quant.artifact import load_program, program_path, read_artifact
+from npuq.quantize.artifact import load_program, program_path, read_artifact
 
 
 EXPORT_FORMAT = "npuq-export/1"
@@ -38,7 +38,7 @@ PROTOBUF_LIMIT = 1_800_000_000  # bytes; larger models keep their weights in an 
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """Graph input and output names, in the static decoder's order (REFERENCE.md §2)."""
+    """Graph input and output names, in the static decoder's order (docs/design.md §2)."""
     inputs = ["tokens", "mask", "positions"] + [f"k_cache_{i}" for i in range(num_layers)] + \
              [f"v_cache_{i}" for i in range(num_layers)]
     outputs = ["logits"] + [f"k_new_{i}" for i in range(num_layers)] + [f"v_new_{i}" for i in range(num_layers)]
@@ -202,7 +202,7 @@ _IO_DTYPES = ("float32", "float16", "int64", "int32", "int16", "uint16", "int8",
 def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     """manifest.json of an export folder, checked before anything is opened: the format, the
     model config, the context, and per graph a file inside the folder, its ar_len and its I/O
-    specs (names, dtypes, shapes, encodings) as :class:`npuq.runtime.ort.OrtGraph` uses them."""
+    specs (names, dtypes, shapes, encodings) as :class:`npuq.lower.ort.OrtGraph` uses them."""
     from npuq.models.config import ModelConfig
 
     folder = Path(folder)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from onnx import NodeProto, TensorProto, helper, numpy_helper
 
-from npuq.lower.encoding import NUMPY_OF, Encoding, quantize
+from npuq.lower.qparams import NUMPY_OF, Encoding, quantize
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,7 +147,7 @@ class Emit:
 
     def scalar(self, value: float, like: Value | None, tag: str = "scalar") -> str:
         """A scalar operand: quantized exactly to the type of ``like`` when that is quantized."""
-        from npuq.lower.encoding import constant_encoding
+        from npuq.lower.qparams import constant_encoding
 
         if like is None or like.encoding is None or like.encoding.per_channel:
             return self.const(np.array(value, dtype=np.float32), tag)

@@ -7,7 +7,7 @@ then:
 
 - quantized I/O: a graph input whose only consumers quantize it becomes an input of the
   quantized type, and an output produced by a dequantize becomes the quantized tensor, so a
-  runner can copy KV-cache codes straight from outputs to inputs (REFERENCE.md §2);
+  runner can copy KV-cache codes straight from outputs to inputs (docs/design.md §2);
 - ``fold_identity_requant``: a QuantizeLinear reading a DequantizeLinear of the same
   encoding (data-movement ops sharing their input's encoding) is removed;
 - ``remove_dead``: nodes and initializers nothing reads are dropped.
@@ -26,7 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from npuq.errors import NpuqError
 from npuq.lower.builders.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, encoding_of
-from npuq.lower.encoding import Encoding
+from npuq.lower.qparams import Encoding
 from npuq.lower.ir import Lowered, NodeView, Note, Value
 from npuq.lower.patterns import RMS_NORM_OP, match_patterns
 from npuq.lower.registry import BuildContext, LowerOptions, Unsupported, select
@@ -111,7 +111,7 @@ def _ensure_meta(gm: torch.fx.GraphModule) -> None:
 
 
 def _get_attr(gm: torch.nn.Module, target: str):
-    """Walk a dotted attribute path (``getattr(m, "a.b.c")`` would fail, REFERENCE.md §6)."""
+    """Walk a dotted attribute path (``getattr(m, "a.b.c")`` would fail, docs/design.md §6)."""
     obj = gm
     for atom in target.split("."):
         obj = getattr(obj, atom)

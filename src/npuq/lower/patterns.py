@@ -3,7 +3,7 @@
 RMSNorm: the static decoder writes it out (pow, mean, add eps, rsqrt, mul, mul by weight), and
 npuq's quantizer treats it as one backend op: only its input, weight and output are quantized
 and the internals stay float. The HTP runs such a chain only as one RmsNorm op (float
-internals would need CPU fallback), and that op is also the accurate form (REFERENCE.md §9),
+internals would need CPU fallback), and that op is also the accurate form (docs/design.md §9),
 so the chain is matched here and handed to the ``npuq.rms_norm`` builder as one node.
 """
 

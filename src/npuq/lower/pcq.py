@@ -1,4 +1,4 @@
-"""Per-channel-quantized (PCQ) embedding lowering as pure integer arithmetic (REFERENCE.md §6).
+"""Per-channel-quantized (PCQ) embedding lowering as pure integer arithmetic (docs/design.md §6).
 
 The table holds int8/int4 codes with one scale per token row (axis 0); the output is a
 uint16 per-tensor activation. Two published patterns, plus the two storage forms npuq uses
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from npuq.lower.encoding import Encoding, affine_for_range, dequantize, quantize, requantize
+from npuq.lower.qparams import Encoding, affine_for_range, dequantize, quantize, requantize
 
 
 def check_table(codes: np.ndarray, enc: Encoding) -> None:

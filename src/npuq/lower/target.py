@@ -1,7 +1,7 @@
 """The lowering target: QNN SDK version and HTP architecture, both of which gate patterns.
 
 The SDK version decides which backend patterns compile (the optimized per-channel embedding
-needs 2.48, REFERENCE.md §6); the HTP architecture decides which numeric formats run (a
+needs 2.48, docs/design.md §6); the HTP architecture decides which numeric formats run (a
 16-bit × int16 MatMul needs v73 or newer, §9). Where the version comes from, in order:
 
     1. ``--qnn-version X.Y[.Z]`` (an explicit choice always wins)
@@ -61,7 +61,7 @@ SOC_TABLE: dict[str, int] = {
 
 # First SDK version with the optimized PCQ-embedding pattern (ExecuTorch PR #20686).
 PCQ_EMBEDDING_OPTIMIZED_SDK = (2, 48, 0)
-# First HTP architecture where a MatMul of uint16 × int16 symmetric runs (REFERENCE.md §9).
+# First HTP architecture where a MatMul of uint16 × int16 symmetric runs (docs/design.md §9).
 INT16_MATMUL_ARCH = 73
 
 

@@ -1,7 +1,7 @@
 """ModelConfig: the architecture facts the static decoder needs, mapped from a Hugging Face config.
 
 One frozen dataclass covers every supported family; the differences between families are
-flags and numbers (REFERENCE.md §2), not subclasses.
+flags and numbers (docs/design.md §2), not subclasses.
 """
 
 from __future__ import annotations

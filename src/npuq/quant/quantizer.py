@@ -1,6 +1,6 @@
 """HtpQuantizer: annotates the exported StaticDecoder graph the way the HTP backend needs.
 
-What each op gets (REFERENCE.md §1; "act" is the activation format of the op's scheme):
+What each op gets (docs/design.md §1; "act" is the activation format of the op's scheme):
 
     linear          input act, weight per-channel (or LPBQ) symmetric, bias int32 with
                     scale = input scale × weight scale, output act

@@ -224,7 +224,7 @@ RECIPES["16a4w_mixed"] = Recipe(
     (Rule("16a8w", op="linear", path=r"layers\.\d+\.mlp\.down_proj", priority=1),),
     lm_head="16a8w",
     name="16a4w_mixed",
-)  # REFERENCE.md §1: 16a4w everywhere, lm head and down projections at 16a8w
+)  # docs/design.md §1: 16a4w everywhere, lm head and down projections at 16a8w
 
 DEFAULT_RECIPES = {"smollm2-135m": "16a8w", "gemma3-270m": "16a8w"}
 FALLBACK_RECIPE = "16a8w"
@@ -250,7 +250,7 @@ def load_recipe(spec: str | None, scheme: str | None = None, model: str = "") ->
         path = Path(spec).expanduser()
         if not path.is_file():
             raise NpuqError(f"--recipe {spec!r} is neither a built-in recipe ({', '.join(RECIPES)}) nor a JSON file")
-        from npuq.artifact import read_json
+        from npuq.fsio import read_json
 
         data = read_json(path, f"--recipe {spec}", "write the recipe as a JSON object (see 'npuq quantize --help')")
         recipe = Recipe.from_dict(data, name=path.stem)

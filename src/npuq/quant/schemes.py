@@ -1,6 +1,6 @@
 """Numeric formats of the HTP target as data: granularities, tensor formats, scheme presets.
 
-One table (:data:`SCHEMES`) holds every preset of REFERENCE.md §1. A scheme is an activation
+One table (:data:`SCHEMES`) holds every preset of docs/design.md §1. A scheme is an activation
 format plus a weight format; everything else (observers, PT2E specs, encodings.json) is
 derived from these frozen, validated dataclasses.
 
@@ -47,7 +47,7 @@ class PerBlock:
     """LPBQ: one scale per output channel and block of ``size`` input channels.
 
     Block scales are re-quantized to ``scale_bits`` bits against a per-channel base scale
-    (scale = base_c · k, k an integer in 1 .. 2**scale_bits), REFERENCE.md §1.
+    (scale = base_c · k, k an integer in 1 .. 2**scale_bits), docs/design.md §1.
     """
 
     size: int = 32
@@ -70,7 +70,7 @@ class TensorFormat:
 
     Signed formats are symmetric on the narrow range [-(2^(b-1) - 1), 2^(b-1) - 1] with zero
     point 0. Unsigned formats are affine (free zero point), except unsigned 8-bit symmetric
-    (zero point 128), the optional 8-bit KV-cache format of REFERENCE.md §1.
+    (zero point 128), the optional 8-bit KV-cache format of docs/design.md §1.
     """
 
     bits: int

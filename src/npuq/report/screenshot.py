@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from npuq.artifact import atomic_path
+from npuq.fsio import atomic_path
 from npuq.errors import NpuqError
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")

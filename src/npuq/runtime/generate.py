@@ -11,7 +11,7 @@ from npuq.device import is_cpu
 from npuq.errors import NpuqError
 from npuq.runtime.runner import StaticRunner
 from npuq.threads import ThreadPlan, plan_threads
-from npuq.threads.workloads import phase_workloads
+from npuq.runtime.workloads import phase_workloads
 
 
 def generate(

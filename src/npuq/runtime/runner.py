@@ -163,3 +163,15 @@ class StaticRunner:
                 logits.append(self._call(ids[:, i : i + 1], 1))
                 i += 1
         return torch.cat(logits, dim=1)
+
+
+def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens: torch.Tensor) -> torch.Tensor:
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
+    if tokens.shape[1] > context:
+        raise NpuqError(f"{tokens.shape[1]} tokens exceed the programs' context of {context}: shorten the input")
+    rows = []
+    for row in tokens:
+        runner = StaticRunner(cfg, graphs, context, device=tokens.device)
+        rows.append(runner.feed(row.tolist()))
+    return torch.cat(rows, dim=0)

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from npuq.artifact import user_cache_dir, write_json
+from npuq.fsio import user_cache_dir, write_json
 from npuq.threads.tuner import TuneResult
 
 SCHEMA = 1  # bump when TuneResult's stored form changes; older files then miss

@@ -5,7 +5,7 @@ Two limits apply and neither shows in the other:
 - the CFS bandwidth quota of the cgroup (``docker --cpus``, Kubernetes CPU limits), CPU time per
   period, which leaves the affinity mask alone: a 4-CPU container on a 64-CPU host sees 64 CPUs.
 
-Unlike the published version (REFERENCE.md §4) the ceiling is not capped by
+Unlike the published version (docs/design.md §4) the ceiling is not capped by
 ``torch.get_num_threads()``: that number is torch's default or an earlier setting, not a limit,
 and capping by it would stop a tuner that runs after ``OMP_NUM_THREADS=1`` or inside a narrower
 scope from ever trying more threads. A user who wants fewer threads passes them explicitly.

@@ -40,7 +40,7 @@ def plot_results(results: Sequence[TuneResult], path: str | os.PathLike, title: 
     """Write :func:`sweep_figure` to a PNG file, atomically."""
     import matplotlib.pyplot as plt
 
-    from npuq.artifact import atomic_path
+    from npuq.fsio import atomic_path
 
     fig = sweep_figure(results, title)
     with atomic_path(path) as tmp:

@@ -2,7 +2,7 @@
 
 Why measure: decode steps are matrix-vector products bound by memory bandwidth, where OpenMP
 barriers across many threads cost more than they save, while prefill and calibration are
-matrix-matrix products that scale with cores (REFERENCE.md §4, executorch PR #18184). The best
+matrix-matrix products that scale with cores (docs/design.md §4, executorch PR #18184). The best
 count depends on the phase, the model and the host, so it is measured, not guessed.
 
 The core, :func:`tune`, is pure apart from the workload it runs: the clock and the scope that

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from npuq.lower.encoding import Encoding, affine_for_range
+from npuq.lower.qparams import Encoding, affine_for_range
 from npuq.lower.ir import Emit, Lowered, NodeView, Value
 from npuq.lower.registry import BuildContext, Unsupported, register
 
@@ -94,7 +94,7 @@ def sigmoid_encoding(like: Encoding) -> Encoding:
 
     The PT2E program computes SiLU as one op, rounded once at its output; the sigmoid
     intermediate exists only because ONNX (and the HTP) spell SiLU as x · sigmoid(x). The
-    published fixed sigmoid encoding (step 2^-bits, REFERENCE.md §1) tops out at 1 - 2^-bits,
+    published fixed sigmoid encoding (step 2^-bits, docs/design.md §1) tops out at 1 - 2^-bits,
     so every x above ~11.8 (16 bits) comes out as x · (1 - 2^-16): one output code low at the
     top of a wide gate range (SmolLM2-135M's reach 50), always in the same direction. It was
     the only op whose exported output differed from the PT2E program's by more than rounding

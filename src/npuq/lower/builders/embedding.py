@@ -2,7 +2,7 @@
 
 A per-tensor (or float) table is a plain Gather: gather moves codes, the output keeps the
 table's encoding. A PCQ table (int8/int4, one scale per row) uses one of the published
-patterns (REFERENCE.md §6), arithmetic in :mod:`npuq.lower.pcq`:
+patterns (docs/design.md §6), arithmetic in :mod:`npuq.lower.pcq`:
 
     legacy     (any SDK)     Gather at scale = max(row scales), then Convert to the output
                              encoding (lossy for rows with small scales)

@@ -2,7 +2,7 @@
 
 The weight (O, I) is quantized per output channel (axis 0). ONNX MatMul wants (I, O), so the
 codes are transposed ahead of time and dequantized along axis 1; the HTP runs the pair as a
-FullyConnected with per-channel weights (REFERENCE.md §9). With a bias, the input is
+FullyConnected with per-channel weights (docs/design.md §9). With a bias, the input is
 flattened to 2-D (a lossless reshape in its own encoding), fed to Gemm(transB=1) with the
 int32 bias (scale = input scale × weight scale, zero point 0), and reshaped back.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from npuq.lower.encoding import NUMPY_OF, Encoding, lpbq_split, quantize
+from npuq.lower.qparams import NUMPY_OF, Encoding, lpbq_split, quantize
 from npuq.lower.ir import Emit, Lowered, NodeView, Value
 from npuq.lower.registry import BuildContext, Unsupported, register
 
@@ -100,7 +100,7 @@ def linear(view: NodeView, ctx: BuildContext) -> Lowered:
         # The HTP composes no Gemm with LPBQ weights: MatMul, then the bias as a quantized Add.
         # The MatMul output gets the output range shifted by the bias range (so nothing the Add
         # brings back into range is clipped): one extra rounding.
-        from npuq.lower.encoding import affine_for_range, dequantize
+        from npuq.lower.qparams import affine_for_range, dequantize
 
         if b.const is not None:
             bias = b.const.astype(np.float32)

@@ -1,7 +1,7 @@
 """aten.matmul of two activations (Q @ Kᵀ, P @ V) and of an activation by a constant.
 
 With 16-bit activations the HTP needs the second input as int16 symmetric (zero point 0),
-which compiles only on HTP v73 and newer (REFERENCE.md §9: on older architectures the EP
+which compiles only on HTP v73 and newer (docs/design.md §9: on older architectures the EP
 silently turns a uint16 second input into uint8). Two builders:
 
     default (any arch)   second input re-encoded to uint8 over its range: runs everywhere,
@@ -11,7 +11,7 @@ silently turns a uint16 second input into uint8). Two builders:
 
 from __future__ import annotations
 
-from npuq.lower.encoding import affine_for_range, symmetric_for_range
+from npuq.lower.qparams import affine_for_range, symmetric_for_range
 from npuq.lower.ir import Emit, Lowered, NodeView
 from npuq.lower.registry import BuildContext, register
 from npuq.lower.target import INT16_MATMUL_ARCH

@@ -1,5 +1,5 @@
 """RMSNorm → SimplifiedLayerNormalization, which the HTP runs as one RmsNorm op with a
-uint16/int16 gamma (REFERENCE.md §9).
+uint16/int16 gamma (docs/design.md §9).
 
 ONNX Runtime registers SimplifiedLayerNormalization in the default ONNX domain (version 1),
 not in com.microsoft, so the node carries no domain; ``onnx.checker`` does not know the op

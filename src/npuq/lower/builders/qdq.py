@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from npuq.lower.encoding import NUMPY_OF, Encoding, quantize, storage_type
+from npuq.lower.qparams import NUMPY_OF, Encoding, quantize, storage_type
 from npuq.lower.ir import Emit, Lowered, NodeView, Value
 from npuq.lower.registry import BuildContext, Unsupported, register
 

@@ -29,7 +29,7 @@ from npuq.calibrate.encodings import collect_encodings
 from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
 from npuq.calibrate.graphs import export_graph
 from npuq.calibrate.transfer import copy_observer_state
-from npuq.calibrate.windows import CalibrationWindows, split_windows
+from npuq.calibrate.split import CalibrationWindows, split_windows
 from npuq.device import device_of, is_cpu, move_graph
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
@@ -37,7 +37,7 @@ from npuq.quant.observers import name_observers, pin_weight_scales
 from npuq.quant.quantizer import HtpQuantizer
 from npuq.quant.recipe import Recipe, RecipePlan
 from npuq.resources import available_memory, guard_calibration_batch
-from npuq.runtime.runner import StaticRunner
+from npuq.runtime.runner import run_programs
 from npuq.threads.scope import scope_or_keep
 
 CALIBRATION_MODES = ("onepass", "sequential")
@@ -76,18 +76,6 @@ class QuantizedModel:
         steps exactly as a device runs the two programs (one sequence at a time: batch 1).
         Runs where ``tokens`` are; the programs must be there too (:meth:`to`)."""
         return run_programs(self.config, self.graphs(), self.context, tokens)
-
-
-def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens: torch.Tensor) -> torch.Tensor:
-    if tokens.dim() != 2:
-        raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
-    if tokens.shape[1] > context:
-        raise NpuqError(f"{tokens.shape[1]} tokens exceed the programs' context of {context}: shorten the input")
-    rows = []
-    for row in tokens:
-        runner = StaticRunner(cfg, graphs, context, device=tokens.device)
-        rows.append(runner.feed(row.tolist()))
-    return torch.cat(rows, dim=0)
 
 
 def prepare_graph(

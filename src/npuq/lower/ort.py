@@ -3,7 +3,7 @@ backend (in CPU emulation on x86-64 hosts, on the NPU on a device).
 
 - :func:`cpu_session` disables graph optimizations: the default CPU provider rewrites int8
   per-channel MatMul into an int8-activation kernel, while the unoptimized graph computes
-  QDQ semantics exactly (REFERENCE.md §9).
+  QDQ semantics exactly (docs/design.md §9).
 - :func:`htp_session` registers the onnxruntime-qnn plugin, points it at its HTP backend
   library and disables CPU fallback, so session creation proves the whole graph runs on the
   HTP. ``htp_arch`` must be the target chip's (v73+ for 16-bit × int16 MatMul).
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from npuq.artifact import resolve_inside
+from npuq.fsio import resolve_inside
 from npuq.errors import NpuqError
 
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
@@ -113,11 +113,11 @@ def htp_node_units(model_path: str | os.PathLike, htp_arch: int | None = None, t
     """Count the QNN EP's node units by (size, op type) from its verbose log.
 
     Runs in a subprocess because the log goes to the process's stderr. A compute op in a
-    unit of one node ran in float, not quantized (REFERENCE.md §9); Q/DQ units of one node
+    unit of one node ran in float, not quantized (docs/design.md §9); Q/DQ units of one node
     are the graph's float I/O conversions.
     """
     code = (
-        "import sys; from npuq.runtime.ort import htp_session; "
+        "import sys; from npuq.lower.ort import htp_session; "
         f"htp_session(sys.argv[1], {htp_arch!r}, log_level=0)"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True, text=True, timeout=timeout)

@@ -3,7 +3,7 @@
 An :class:`Encoding` is what one QuantizeLinear / DequantizeLinear pair carries: scale and
 zero point (per tensor, or one per index of ``axis``), the integer range and the ONNX storage
 type. PT2E carries every format in a wider torch dtype (uint16 as int32 over [0, 65535],
-int4 as int8 over [-7, 7], REFERENCE.md §1); :func:`storage_type` maps the quant range back
+int4 as int8 over [-7, 7], docs/design.md §1); :func:`storage_type` maps the quant range back
 to the narrowest ONNX type that holds it.
 
     value = (code - zero_point) · scale          code = clamp(round_half_even(value / scale) + zero_point)
@@ -194,7 +194,7 @@ def constant_encoding(value: float, like: Encoding) -> Encoding:
 
 def lpbq_split(scales: np.ndarray, max_bits: int = 8) -> tuple[np.ndarray, np.ndarray, int] | None:
     """Per-block scales (C, blocks) → (base (C,), integer multipliers k (C, blocks), bits) with
-    scales = base · k, base = max over blocks / 2^bits (LPBQ, REFERENCE.md §1); None when no
+    scales = base · k, base = max over blocks / 2^bits (LPBQ, docs/design.md §1); None when no
     bit width up to ``max_bits`` makes every k an integer."""
     scales = np.asarray(scales, dtype=np.float64)
     top = scales.max(axis=1, keepdims=True)

@@ -16,6 +16,7 @@ import torch
 
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
+from npuq.runtime.runner import run_programs
 
 
 @dataclass
@@ -40,8 +41,6 @@ class Programs:
         return self
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        from npuq.quant.pipeline import run_programs
-
         return run_programs(self.config, self.graphs, self.context, tokens)
 
     def describe(self) -> dict[str, Any]:
@@ -50,14 +49,14 @@ class Programs:
 
 def open_programs(artifact: str | None = None, onnx: str | None = None, provider: str = "cpu") -> Programs:
     if artifact:
-        from npuq.quant.artifact import load_artifact, read_artifact
+        from npuq.quantize.artifact import load_artifact, read_artifact
 
         qm = load_artifact(artifact)
         config = read_artifact(artifact)
         return Programs(qm.config, qm.context, qm.graphs(), _model_source(config.get("model", {}), artifact),
                         {"artifact": str(artifact), "scheme": qm.recipe.default, "recipe": qm.recipe.name})
     if onnx:
-        from npuq.runtime.ort import load_export
+        from npuq.lower.ort import load_export
 
         manifest, graphs = load_export(onnx, provider)
         return Programs(ModelConfig.from_dict(manifest["model_config"]), int(manifest["context"]), graphs,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from npuq.artifact import atomic_dir, write_json
+from npuq.fsio import atomic_dir, write_json
 
 RESULT = "result.json"
 MARKER = "RUNNING"

@@ -15,7 +15,7 @@ import torch
 
 from npuq.cli import main
 from npuq.models.tiny import save_tiny_hf_folder
-from npuq.run.stages import MARKER
+from npuq.pipeline.stages import MARKER
 
 STAGES = ["model", "threads", "quantize", "eval-float", "eval-quantized", "layers", "generate", "export",
           "eval-exported"]

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from npuq.artifact import atomic_dir, read_json, resolve_inside
+from npuq.fsio import atomic_dir, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
-from npuq.quant.pipeline import QuantizedModel, fold_constant_dequant
+from npuq.quantize.pt2e import QuantizedModel, fold_constant_dequant
 from npuq.quant.recipe import Recipe
 from npuq.runtime.runner import example_inputs
 
@@ -251,7 +251,7 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True) -> Qua
     decode programs from an empty cache (a LogitsFn for npuq.eval).
 
     ``fold_constants`` dequantizes the integer weights once at load time instead of at every
-    call (:func:`npuq.quant.pipeline.fold_constant_dequant`): same numbers, a faster CPU
+    call (:func:`npuq.quantize.pt2e.fold_constant_dequant`): same numbers, a faster CPU
     simulation, float-sized weights in memory. Pass False to keep the programs as saved.
     """
     from npuq.calibrate.encodings import read_encodings

@@ -5,7 +5,7 @@
     DIR/onnx/           the export ('npuq export --out'): decode.onnx, prefill.onnx, manifest.json
     DIR/report.html     self-contained report (images embedded)
     DIR/report.json     the same facts as data, with the stage log
-    DIR/stages/NAME-KEY one folder per finished stage (npuq.run.stages), reused while its key holds
+    DIR/stages/NAME-KEY one folder per finished stage (npuq.pipeline.stages), reused while its key holds
 
 ``artifact/`` and ``onnx/`` hold hard links to the files of the current stages (copies where
 links are impossible), so they are ordinary folders that can be copied to a device as they are.
@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 import torch
 
-from npuq.artifact import atomic_dir, write_json, write_text
+from npuq.fsio import atomic_dir, write_json, write_text
 from npuq.device import is_cpu
 from npuq.errors import NpuqError
-from npuq.run.stages import RunDir
+from npuq.pipeline.stages import RunDir
 
 PROMPTS = (
     "The capital of France is",
@@ -49,7 +49,7 @@ class RunOptions:
     seq_mse: int | None = None
     seq_mse_granularity: str = "channel"
     weight_rounding: str = "nearest"
-    layer_inputs: str | None = None  # None for either: npuq.quant.run.resolve_recovery's defaults
+    layer_inputs: str | None = None  # None for either: npuq.optimize.recovery.resolve_recovery's defaults
     act_order: bool | None = None
     eval_corpus: str = "builtin"
     eval_tokens: int = 4096
@@ -133,9 +133,9 @@ class Job:
 
     # ------------------------------------------------------------------ stages
     def threads(self, base: dict[str, Any]) -> None:
-        from npuq.quant.pipeline import default_prefill_len
+        from npuq.quantize.pt2e import default_prefill_len
         from npuq.threads import cpu_limits, tune_cached
-        from npuq.threads.workloads import PHASES, phase_workload
+        from npuq.runtime.workloads import PHASES, phase_workload
 
         o = self.options
         prefill_len = o.prefill_len or default_prefill_len(o.context)
@@ -153,7 +153,7 @@ class Job:
                                "cpu": os.cpu_count()}, build)
 
     def quantize(self, base: dict[str, Any]) -> None:
-        from npuq.quant.run import quantize_to_artifact
+        from npuq.quantize.stage import quantize_to_artifact
 
         o = self.options
 
@@ -206,18 +206,18 @@ class Job:
         return int(self.results["threads"]["plan"][phase])
 
     def artifact_programs(self) -> Any:
-        from npuq.runtime.programs import open_programs
+        from npuq.pipeline.programs import open_programs
 
         return open_programs(artifact=str(self.folders["quantize"] / "artifact"))
 
     def export_programs(self) -> Any:
-        from npuq.runtime.programs import open_programs
+        from npuq.pipeline.programs import open_programs
 
         return open_programs(onnx=str(self.folders["export"] / "onnx"), provider="cpu")
 
     def layers(self) -> None:
         from npuq.eval.layers import layer_errors
-        from npuq.quant.run import corpus_tokens
+        from npuq.data.corpora import corpus_tokens
         from npuq.threads import scope_or_keep
 
         o = self.options
@@ -277,7 +277,7 @@ class Job:
         from npuq.lower.registry import LowerOptions
         from npuq.lower.target import resolve_target
         from npuq.quant.recipe import load_recipe
-        from npuq.quant.run import resolve_recovery
+        from npuq.optimize.recovery import resolve_recovery
 
         o = self.options
         if o.eval_tokens < 2 or o.gen_tokens < 1 or o.sqnr_tokens < 1:
@@ -318,7 +318,7 @@ class Job:
         self.say(f"[{len(STAGES)}/{len(STAGES)}] report: {STAGE_TITLES['report']}")
         link_tree(self.folders["quantize"] / "artifact", self.out / "artifact")
         link_tree(self.folders["export"] / "onnx", self.out / "onnx")
-        from npuq.report.run import build_report
+        from npuq.report.build import build_report
 
         report, html = build_report(self, time.perf_counter() - start)
         write_text(self.out / "report.html", html)

@@ -71,10 +71,10 @@ def recipe_rows(plan: list[dict[str, str]]) -> list[list[Any]]:
 
 
 def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
-    """(report.json content, report.html text) of a finished :class:`npuq.run.job.Job`."""
+    """(report.json content, report.html text) of a finished :class:`npuq.pipeline.job.Job`."""
     from npuq import __version__
     from npuq.eval.layers import LayerError, worst
-    from npuq.quant.artifact import read_artifact
+    from npuq.quantize.artifact import read_artifact
 
     res, out = job.results, job.out
     artifact = read_artifact(job.folders["quantize"] / "artifact")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from npuq.run.stages import MARKER, RunDir, stage_key
+from npuq.pipeline.stages import MARKER, RunDir, stage_key
 
 
 def test_key_is_stable_and_order_free():

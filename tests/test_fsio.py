@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from npuq import artifact
-from npuq.artifact import atomic_dir, read_json, resolve_inside
+from npuq import fsio
+from npuq.fsio import atomic_dir, read_json, resolve_inside
 from npuq.errors import NpuqError
 
 
