@@ -7,6 +7,9 @@ is held back during the renames that swap a finished folder into place.
 Reading a folder back (artifact, export) goes through :func:`read_json` (every way a JSON
 file can be broken is one NpuqError) and :func:`resolve_inside` (a file named in a manifest
 must lie inside the folder).
+
+One process at a time writes an output folder: :func:`folder_lock` holds an OS-level lock on a
+file next to it (released when the block ends, and by the OS when the process dies).
 """
 
 from __future__ import annotations
@@ -122,6 +125,97 @@ def interrupts_deferred() -> Iterator[None]:
             signal.signal(sig, handler)
     if received:
         raise KeyboardInterrupt
+
+
+# --------------------------------------------------------------------------- one writer per folder
+def lock_path(path: str | os.PathLike) -> Path:
+    """The lock file of output folder ``path``: ``PARENT/.NAME.lock``, next to the folder, so it
+    exists before the folder does and stays put while :func:`atomic_dir` swaps the folder."""
+    final = Path(path).resolve()
+    if not final.name:  # the file system root: no parent to put it in
+        return final / ".npuq.lock"
+    return final.parent / f".{final.name}.lock"
+
+
+def _owner_path(lock: Path) -> Path:
+    return lock.with_name(lock.name + ".owner")
+
+
+def _owner_pid(lock: Path) -> int | None:
+    """The pid the holder of ``lock`` recorded, when it names a live process."""
+    try:
+        pid = int(json.loads(_owner_path(lock).read_text(encoding="utf-8"))["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if os.name == "posix":  # elsewhere os.kill(pid, 0) is not a probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None  # left by a holder that was killed; the lock itself went with it
+        except OSError:
+            pass  # alive, another user's
+    return pid
+
+
+def _holder(lock: Path) -> str:
+    pid = _owner_pid(lock)
+    if pid is None:
+        return "another npuq process"
+    if pid == os.getpid():
+        return f"this same process (pid {pid})"
+    return f"another npuq process (pid {pid})"
+
+
+@contextlib.contextmanager
+def folder_lock(path: str | os.PathLike, what: str, wait: float = 0.0) -> Iterator[Path]:
+    """Hold the exclusive lock on output folder ``path`` for the block; yield the lock file.
+
+    The lock is the ``filelock`` package's OS-level one (``flock`` on POSIX) on
+    :func:`lock_path`, so the OS drops it when the holder dies, even by SIGKILL; the holder's
+    pid goes to a side file ``.NAME.lock.owner`` for the message a second process gets. With
+    ``wait`` 0 a folder another process holds is an :class:`NpuqError` at once; with ``wait`` > 0
+    one line on stderr says so and the lock is awaited that many seconds. Released when the
+    block ends, by an exception or Ctrl-C included. ``what`` starts the message ("npuq run").
+    """
+    import sys
+
+    import filelock
+
+    from npuq.errors import NpuqError
+
+    folder = Path(path)
+    lock_file = lock_path(folder)
+    fix = "wait for it to finish, or choose another --out"
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise NpuqError(f"{what}: cannot create {lock_file.parent} for the lock of {folder} ({exc}); "
+                        "choose an --out in a folder you can write") from None
+    lock = filelock.FileLock(str(lock_file), thread_local=False)  # acquired, released on any thread
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            if wait <= 0:
+                raise NpuqError(f"{what}: {folder} is being written by {_holder(lock_file)}; {fix}") from None
+            print(f"npuq: {folder} is being written by {_holder(lock_file)}; waiting up to {wait:g} s for it "
+                  "to finish", file=sys.stderr, flush=True)
+            try:
+                lock.acquire(timeout=wait, poll_interval=0.1)
+            except filelock.Timeout:
+                raise NpuqError(f"{what}: {folder} is still being written by {_holder(lock_file)} after "
+                                f"{wait:g} s of waiting; {fix}") from None
+        except OSError as exc:
+            raise NpuqError(f"{what}: cannot lock {folder} through {lock_file} ({exc}); "
+                            "choose an --out in a folder you can write") from None
+        with contextlib.suppress(OSError):  # the pid is for messages only
+            write_text(_owner_path(lock_file), json.dumps({"pid": os.getpid()}) + "\n")
+        yield lock_file
+    finally:
+        if lock.is_locked:  # held by this block (not when acquiring failed)
+            with contextlib.suppress(OSError):
+                _owner_path(lock_file).unlink()
+            lock.release(force=True)
 
 
 # --------------------------------------------------------------------------- reading folders back

@@ -6,10 +6,15 @@ temporary folder and renamed into place only when complete, so an interrupted ru
 leaves a half-written stage; the next run reuses every finished stage and redoes the rest.
 While a run is in progress ``DIR/RUNNING`` names it; a run that finds the marker reports
 that the previous one was interrupted, then resumes.
+
+A :class:`RunDir` holds the folder's lock (:func:`npuq.fsio.folder_lock`) from its creation to
+:meth:`RunDir.finish` or :meth:`RunDir.close`, so a second run on the same folder is refused
+before it reads the marker: a marker it finds was left by a run that is no longer alive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from npuq.fsio import atomic_dir, write_json
+from npuq.fsio import atomic_dir, folder_lock, write_json
 
 RESULT = "result.json"
 MARKER = "RUNNING"
@@ -32,20 +37,53 @@ def stage_key(inputs: dict[str, Any]) -> str:
 
 @dataclass
 class RunDir:
+    """The run folder ``root``, locked against other processes while this object holds it.
+
+    Use it as a context manager, or call :meth:`finish` when the run completed and
+    :meth:`close` on every other way out (both release the lock; a stage that fails releases
+    it too, keeping the marker). ``wait``: seconds to wait for another process's run to end
+    (0: refuse at once with :class:`~npuq.errors.NpuqError`).
+    """
+
     root: Path
     log: list[dict[str, Any]] = field(default_factory=list)
     interrupted: dict[str, Any] | None = None  # the marker a previous run left, if any
+    wait: float = 0.0
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        marker = self.root / MARKER
-        if marker.is_file():
-            try:
-                self.interrupted = json.loads(marker.read_text())
-            except (OSError, json.JSONDecodeError):
-                self.interrupted = {"stage": "unknown"}
-        self._mark(None)
+        self._held = contextlib.ExitStack()
+        self._held.enter_context(folder_lock(self.root, "npuq run", self.wait))  # before the marker is read
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            marker = self.root / MARKER
+            if marker.is_file():  # under the lock: its writer is gone, so it was interrupted
+                try:
+                    self.interrupted = json.loads(marker.read_text())
+                except (OSError, json.JSONDecodeError):
+                    self.interrupted = {"stage": "unknown"}
+            self._mark(None)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def locked(self) -> bool:
+        """Whether this object still holds the folder's lock."""
+        return self._held is not None
+
+    def close(self) -> None:
+        """Release the folder's lock (idempotent); the marker stays, so a later run reports this
+        one as interrupted unless :meth:`finish` removed it."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _mark(self, stage: str | None) -> None:
         write_json(self.root / MARKER, {"pid": os.getpid(), "stage": stage, "since": time.time()})
@@ -53,8 +91,11 @@ class RunDir:
     def stage(self, name: str, inputs: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
         """Return (folder, result) of stage ``name``: reused when its key matches, else built.
 
-        ``build(folder)`` writes its files into ``folder`` and returns a JSON-able result.
+        ``build(folder)`` writes its files into ``folder`` and returns a JSON-able result. A
+        build that raises ends the run: the lock is released, the marker names the stage.
         """
+        if not self.locked:
+            raise RuntimeError(f"RunDir({self.root}) is closed: its lock was released")
         key = stage_key({"stage": name, **inputs})
         folder = self.root / "stages" / f"{name}-{key}"
         if (folder / RESULT).is_file():
@@ -63,14 +104,23 @@ class RunDir:
             return folder, result
         self._mark(name)
         start = time.perf_counter()
-        with atomic_dir(folder) as tmp:
-            result = build(tmp)
-            write_json(tmp / RESULT, result)
+        try:
+            with atomic_dir(folder) as tmp:
+                result = build(tmp)
+                write_json(tmp / RESULT, result)
+        except BaseException:
+            self.close()
+            raise
         seconds = time.perf_counter() - start
         self.log.append({"stage": name, "key": key, "cached": False, "seconds": seconds})
         self._mark(None)
         return folder, result
 
     def finish(self) -> None:
-        """The run completed: remove the in-progress marker."""
-        (self.root / MARKER).unlink(missing_ok=True)
+        """The run completed: remove the in-progress marker, then release the lock. (Once closed,
+        the marker is left alone: another run may have taken the folder since.)"""
+        try:
+            if self.locked:
+                (self.root / MARKER).unlink(missing_ok=True)
+        finally:
+            self.close()
