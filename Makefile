@@ -24,9 +24,9 @@ install: $(STAMP)
 
 # The main job on the built-in defaults: SmolLM2-135M → threads tuned → 16a8w with one-pass
 # calibration on the built-in corpus → float, quantized and exported perplexity on held-out
-# text → QDQ ONNX for the HTP → $(DEMO_OUT)/report.html. A second run reuses every stage.
+# text → QDQ ONNX for the HTP of a Snapdragon 8 Gen 3 (SM8650, v75) → $(DEMO_OUT)/report.html. A second run reuses every stage.
 demo: $(STAMP)
-	$(BIN)/npuq run --model smollm2-135m --scheme 16a8w --context 256 --calib-tokens 2048 --eval-tokens 1024 \
+	$(BIN)/npuq run --model smollm2-135m --scheme 16a8w --context 256 --calib-tokens 2048 --eval-tokens 1024 --soc SM8650 \
 		--out $(DEMO_OUT)
 	@echo "demo report: $(DEMO_OUT)/report.html (data: $(DEMO_OUT)/report.json)"
 

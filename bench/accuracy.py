@@ -78,7 +78,7 @@ def main() -> None:
 
     def evaluate(logits_fn):
         r = evaluate_perplexity(logits_fn, tok, docs, args.context, max_tokens=args.eval_tokens)
-        return {k: r[k] for k in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens", "seconds")}
+        return {k: getattr(r, k) for k in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens", "seconds")}
 
     rows = [{"config": "float", **evaluate(lambda t: forward_logits(model, t))}]
     print(json.dumps(rows[-1]), flush=True)

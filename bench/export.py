@@ -293,10 +293,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     from npuq.eval.perplexity import window_loglikelihood
-    from npuq.lower.export import export_artifact
+    from npuq.lower.export import ExportOptions, export_artifact
     from npuq.models.config import ModelConfig
     from npuq.quantize.artifact import load_artifact, read_artifact
-    from npuq.runtime import ort
+    from npuq.lower import ort
     from npuq.threads import scope_or_keep
 
     tiny = not args.artifact
@@ -310,16 +310,17 @@ def main(argv: list[str] | None = None) -> dict:
         exports, export_dirs = {}, {}
         for pattern in dict.fromkeys(args.embedding_pattern):
             out = work / f"export-{pattern}"
-            r = export_artifact(artifact, out, qnn_version=args.qnn_version, htp_arch=args.htp_arch,
-                                embedding_pattern=pattern, embedding_storage=args.embedding_storage)
+            r = export_artifact(artifact, out, ExportOptions(qnn_version=args.qnn_version, htp_arch=args.htp_arch,
+                                                             embedding_pattern=pattern,
+                                                             embedding_storage=args.embedding_storage))
             manifest = json.loads((out / "manifest.json").read_text())
             export_dirs[pattern] = out
             exports[pattern] = {
-                "export_seconds": round(r["seconds"], 2), "embedding_pattern": r["embedding_pattern"],
+                "export_seconds": round(r.seconds, 2), "embedding_pattern": r.embedding_pattern,
                 "embeddings": manifest["embeddings"],
                 "onnx_bytes": {k: (out / g["file"]).stat().st_size for k, g in manifest["graphs"].items()},
             }
-            print(f"exported {pattern}: {r['embedding_pattern']} in {r['seconds']:.1f} s", file=sys.stderr)
+            print(f"exported {pattern}: {r.embedding_pattern} in {r.seconds:.1f} s", file=sys.stderr)
         first = next(iter(export_dirs))
         manifest = json.loads((export_dirs[first] / "manifest.json").read_text())
         cfg = ModelConfig.from_dict(manifest["model_config"])

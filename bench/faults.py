@@ -117,7 +117,7 @@ def build_readers(root: Path) -> list[Reader]:
 
     from npuq.calibrate.encodings import read_encodings
     from npuq.data import load_corpus
-    from npuq.lower.export import export_artifact, read_manifest
+    from npuq.lower.export import ExportOptions, export_artifact, read_manifest
     from npuq.models import load_model
     from npuq.models.tiny import tiny_decoder, tiny_hf_model
     from npuq.quantize.artifact import load_program, read_artifact, save_artifact
@@ -132,7 +132,7 @@ def build_readers(root: Path) -> list[Reader]:
     tokens = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     artifact = save_artifact(quantize_model(model, load_recipe(None, "16a8w"), tokens, context=16, prefill_len=4),
                              root / "artifact")
-    export_artifact(artifact, root / "onnx", qnn_version="2.51", htp_arch=73)
+    export_artifact(artifact, root / "onnx", ExportOptions(qnn_version="2.51", htp_arch=73))
 
     gguf_seed = (root / "tiny.gguf").read_bytes()
     st_seed = (root / "hf" / "model.safetensors").read_bytes()
@@ -235,7 +235,7 @@ def readers_section(args: argparse.Namespace) -> dict[str, Any]:
                 results[reader.name] = fuzz(reader, max(1, round(args.trials * reader.share)), rng, work)
             r = results[reader.name]
             print(f"{reader.name:<22}{r['tried']:>6} tried {r['result']:>6} results {r['npuq_error']:>6} NpuqError "
-                  f"{r['escaped']:>4} escaped  [{r['seconds']:.1f} s]", file=sys.stderr)
+                  f"{r['escaped']:>4} escaped  [{r.seconds:.1f} s]", file=sys.stderr)
     return {
         "seed": args.seed,
         "readers": results,

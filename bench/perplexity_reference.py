@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = args.max_tokens or None
 
     from npuq.fsio import write_json
+    from npuq.records import to_json
     from npuq.data import load_corpus
     from npuq.eval.perplexity import evaluate_model
     from npuq.models import load_model
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if not loaded.source.endswith(".gguf"):
         parser.error(f"{args.model} is not a GGUF model: the reference loads the same GGUF through transformers")
     load_seconds = time.perf_counter() - start
-    ours = evaluate_model(loaded, documents, args.context, batch_size=args.batch_size, max_tokens=max_tokens, progress=True)
+    ours = to_json(evaluate_model(loaded, documents, args.context, batch_size=args.batch_size, max_tokens=max_tokens,
+                                  progress=True))
     ours["load_seconds"] = load_seconds
     source = loaded.source
     del loaded  # free its memory before the transformers model loads
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_json(args.json, result)
     print(json.dumps(result, indent=2))
-    return 0 if result["within_target"] and result["same_counts"] else 1
+    return 0 if result.within_target and result.same_counts else 1
 
 
 if __name__ == "__main__":

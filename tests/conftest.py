@@ -26,7 +26,7 @@ def tiny_folders(tmp_path_factory):
 
     import torch
 
-    from npuq.lower.export import export_artifact
+    from npuq.lower.export import ExportOptions, export_artifact
     from npuq.models.tiny import tiny_decoder
     from npuq.quantize.artifact import save_artifact
     from npuq.quantize.pt2e import quantize_model
@@ -37,5 +37,5 @@ def tiny_folders(tmp_path_factory):
     tokens = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     qm = quantize_model(model, load_recipe(None, "16a8w"), tokens, context=16, prefill_len=4)
     artifact = save_artifact(qm, root / "artifact")
-    export_artifact(artifact, root / "onnx", qnn_version="2.51", htp_arch=73)
+    export_artifact(artifact, root / "onnx", ExportOptions(qnn_version="2.51", htp_arch=73))
     return SimpleNamespace(artifact=artifact, onnx=root / "onnx", model=model, tokens=tokens, quantized=qm)

@@ -77,7 +77,7 @@ def _interrupt_on_call(monkeypatch, n):
         if len(calls) == n:
             signal.raise_signal(signal.SIGINT)
 
-    monkeypatch.setattr(artifact.os, "replace", replace)
+    monkeypatch.setattr(fsio.os, "replace", replace)
     return calls
 
 

@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "npuq"
 # bottom to top; one package (or top-level module) per entry of a layer
 LAYERS = (
     ("errors", "__init__"),              # the one error type users see, the version
-    ("fsio",),                           # atomic files and folders, safe readers, the user cache
+    ("fsio", "records"),                 # atomic files and folders, safe readers; records as JSON
     ("device", "resources", "threads"),  # where work runs: device, memory/disk guards, thread plans
     ("models", "data"),                  # model sources, config, static decoder; corpora and windows
     ("runtime",),                        # KV-cache runner over any graph, workloads, generation

@@ -108,17 +108,18 @@ def _add_device(p: argparse.ArgumentParser, runs: str) -> None:
     )
 
 
-def _device(args: argparse.Namespace) -> Any:
-    """The torch.device of ``--device``, checked before any work; ONNX graphs run on the CPU side
-    (ONNX Runtime places them by --provider)."""
-    from npuq.device import resolve_device
+def _context_of(args: argparse.Namespace) -> Any:
+    """The ExecutionContext of ``--device`` and ``--num-threads``, checked before any work; ONNX
+    graphs run on the CPU side (ONNX Runtime places them by --provider)."""
+    from npuq.runtime.context import ExecutionContext
 
+    device = getattr(args, "device", "cpu")
     if getattr(args, "onnx", None):
-        if args.device not in ("auto", "cpu"):
-            raise NpuqError(f"--device {args.device} does not apply to --onnx: ONNX Runtime runs the graphs on "
+        if device not in ("auto", "cpu"):
+            raise NpuqError(f"--device {device} does not apply to --onnx: ONNX Runtime runs the graphs on "
                             "--provider; drop --device, or evaluate the --artifact on the GPU")
-        return resolve_device("cpu")
-    return resolve_device(args.device)
+        device = "cpu"
+    return ExecutionContext.create(device, getattr(args, "num_threads", 0), progress=True)
 
 
 def _check_fits(context: int, prefill_len: int | None = None, max_new_tokens: int | None = None) -> None:
@@ -129,6 +130,27 @@ def _check_fits(context: int, prefill_len: int | None = None, max_new_tokens: in
     if max_new_tokens is not None and max_new_tokens >= context:
         raise NpuqError(f"--max-new-tokens {max_new_tokens} leaves no room for the prompt in --context {context}: "
                         f"use at most {context - 1}, or raise --context")
+
+
+def _quantize_options(args: argparse.Namespace) -> Any:
+    """The QuantizeOptions of ``_add_quantize_options``' flags (checked on construction)."""
+    from npuq.quantize.stage import QuantizeOptions
+
+    return QuantizeOptions(
+        model=args.model, scheme=args.scheme, recipe=args.recipe, calib_corpus=args.calib_corpus,
+        calib_tokens=args.calib_tokens, context=args.context,
+        calibration_mode=getattr(args, "calibration_mode", "onepass"), prefill_len=args.prefill_len,
+        batch_size=args.batch_size, seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity,
+        weight_rounding=args.weight_rounding, layer_inputs=args.layer_inputs, act_order=args.act_order,
+    )
+
+
+def _export_options(args: argparse.Namespace) -> Any:
+    """The ExportOptions of ``_add_target_options``' flags (checked on construction)."""
+    from npuq.lower.export import ExportOptions
+
+    return ExportOptions(qnn_version=args.qnn_version, htp_arch=args.htp_arch, soc=args.soc,
+                         embedding_pattern=args.embedding_pattern, embedding_storage=args.embedding_storage)
 
 
 def _add_quantize_options(p: argparse.ArgumentParser) -> None:
@@ -202,96 +224,70 @@ def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.models import load_model
+    from npuq.records import to_json
     from npuq.runtime.generate import generate
 
-    device = _device(args)
+    ctx = _context_of(args)
     graphs, context = None, args.context
-    if not (args.artifact or args.onnx):  # cheap checks before the model loads (the graphs fix their own)
-        _check_fits(args.context, prefill_len=args.prefill_len, max_new_tokens=args.max_new_tokens)
     if args.artifact or args.onnx:
         from npuq.pipeline.programs import open_programs
 
-        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(device)
+        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(ctx.device)
         graphs, context = programs.graphs, programs.context  # the graphs' shapes fix the context
         loaded = load_model(programs.model_source)
-    else:
+    else:  # cheap checks before the model loads (the graphs fix their own)
+        _check_fits(args.context, prefill_len=args.prefill_len, max_new_tokens=args.max_new_tokens)
         loaded = load_model(args.model)
-    result = generate(
-        loaded, args.prompt, max_new_tokens=args.max_new_tokens, context=context,
-        prefill_len=args.prefill_len, num_threads=args.num_threads, graphs=graphs, device=device,
-    )
-    print(args.prompt + result["text"])
-    print(
-        f"[{len(result['token_ids'])} tokens, prefill {result['prefill_seconds']:.2f} s, "
-        f"{result['tokens_per_second']:.1f} tokens/s decode, {result['threads']} threads, {result['device']}]",
-        file=sys.stderr,
-    )
-    return result
+    result = generate(loaded, args.prompt, max_new_tokens=args.max_new_tokens, context=context,
+                      prefill_len=args.prefill_len, graphs=graphs, ctx=ctx)
+    print(args.prompt + result.text)
+    print(f"[{result.describe()}]", file=sys.stderr)
+    return to_json(result)
 
 
 # --------------------------------------------------------------------------- eval
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
+    from dataclasses import replace
+
     from npuq.data import load_corpus
-    from npuq.eval.perplexity import check_context, evaluate_model
-    from npuq.models import DEFAULT_MAX_CONTEXT, load_model
-
-    check_context(args.context)  # cheap checks before the model loads
-    device = _device(args)
-    documents = load_corpus(args.corpus, args.split)
-    if args.artifact or args.onnx:
-        result = _eval_quantized(args, documents, device)
-    else:
-        loaded = load_model(args.model, max_context=args.context if args.context > DEFAULT_MAX_CONTEXT else None)
-        check_context(args.context, loaded.config.max_position_embeddings)
-        result = evaluate_model(
-            loaded, documents, args.context, batch_size=args.batch_size, max_docs=args.max_docs,
-            max_tokens=args.max_tokens, num_threads=args.num_threads, progress=True, device=device,
-        )
-    result["corpus"] = args.corpus
-    result["split"] = None if args.corpus.startswith("file:") else args.split
     from npuq.data.corpora import replaced_characters
+    from npuq.eval.perplexity import EvalOptions, check_context, evaluate_model, evaluate_perplexity
+    from npuq.models import DEFAULT_MAX_CONTEXT, load_model
+    from npuq.records import to_json
 
-    result["replacement_characters"] = replaced_characters(documents)  # non-UTF-8 byte sequences read as U+FFFD
-    print(
-        f"word perplexity {result['word_perplexity']:.4f}, byte perplexity {result['byte_perplexity']:.4f}, "
-        f"bits per byte {result['bits_per_byte']:.4f}"
-    )
-    print(
-        f"[{result['tokens']} tokens, {result['words']} words, {result['bytes']} bytes in {result['documents']} "
-        f"documents, context {result['context']}, {result['seconds']:.1f} s, {result['threads']} threads, "
-        f"{result['device']}]",
-        file=sys.stderr,
-    )
-    return result
+    options = EvalOptions(args.corpus, args.split, args.context, args.max_docs, args.max_tokens, args.batch_size)
+    ctx = _context_of(args)  # cheap checks before the model loads
+    documents = load_corpus(options.corpus, options.split)
+    if args.artifact or args.onnx:  # prefill chunks and decode steps from an empty cache, as on the device
+        from npuq.pipeline.programs import open_programs
 
-
-def _eval_quantized(args: argparse.Namespace, documents: Any, device: Any) -> dict[str, Any]:
-    """Perplexity of a quantized artifact (PT2E QDQ programs) or an exported ONNX folder, run
-    through prefill and decode graphs from an empty cache, as on the device; the PT2E programs
-    run on ``device``."""
-    from npuq.eval.perplexity import evaluate_perplexity
-    from npuq.models import load_model
-    from npuq.pipeline.programs import open_programs
-    from npuq.threads import scope_or_keep
-
-    programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
-    if args.context > programs.context:
-        raise NpuqError(f"--context {args.context} exceeds the {programs.context} tokens the graphs were built for: "
-                        f"use --context {programs.context} or less")
-    loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
-    programs.to(device)
-    threads = args.num_threads
-    if threads == 0 and device.type == "cpu":  # the prefill phase's tuned (or cached) count
-        from npuq.threads import plan_threads
-        from npuq.runtime.workloads import phase_workload
-
-        workload = phase_workload(loaded.model, "prefill", programs.context, max(programs.graphs))
-        threads = plan_threads({"prefill": workload}, 0)[0].threads["prefill"]
-    tokenizer = loaded.tokenizer
-    with scope_or_keep(threads) as threads:
-        result = evaluate_perplexity(programs.logits, tokenizer, documents, args.context, max_docs=args.max_docs,
-                                     max_tokens=args.max_tokens, progress=True, device=device)
-    return {**result, **programs.describe(), "threads": threads, "device": str(device)}
+        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
+        if options.context > programs.context:
+            raise NpuqError(f"--context {options.context} exceeds the {programs.context} tokens the graphs were built "
+                            f"for: use --context {programs.context} or less")
+        loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
+        programs.to(ctx.device)
+        ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
+        with ctx.scope("prefill") as threads:
+            result = evaluate_perplexity(programs.logits, loaded.tokenizer, documents, options.context,
+                                         max_docs=options.max_docs, max_tokens=options.max_tokens, progress=True,
+                                         device=ctx.device)
+        result = replace(result, graphs=programs.describe(), threads=threads)
+    else:  # whole windows: the calibrate phase's shape
+        loaded = load_model(args.model, max_context=options.context if options.context > DEFAULT_MAX_CONTEXT else None)
+        check_context(options.context, loaded.config.max_position_embeddings)
+        ctx.plan_model(loaded.model, ("calibrate",), options.context, batch=options.batch_size)
+        result = evaluate_model(
+            loaded, documents, options.context, batch_size=options.batch_size, max_docs=options.max_docs,
+            max_tokens=options.max_tokens, num_threads=ctx.threads("calibrate"), progress=True, device=ctx.device,
+        )
+    result = replace(result, corpus=options.corpus, split=None if options.corpus.startswith("file:") else options.split,
+                     replacement_characters=replaced_characters(documents))  # non-UTF-8 bytes read as U+FFFD
+    print(result.describe())
+    print(f"[{result.tokens} tokens, {result.words} words, {result.bytes} bytes in {result.documents} documents, "
+          f"context {result.context}, {result.seconds:.1f} s, {result.threads} threads, {result.device}]",
+          file=sys.stderr)
+    return to_json(result)
 
 
 # --------------------------------------------------------------------------- tune-threads
@@ -339,39 +335,24 @@ def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- quantize
 def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.quantize.stage import quantize_to_artifact
+    from npuq.records import to_json
 
-    result, summary = quantize_to_artifact(
-        args.model, args.out, scheme=args.scheme, recipe=args.recipe, corpus=args.calib_corpus,
-        calib_tokens=args.calib_tokens, context=args.context, calibration_mode=args.calibration_mode,
-        prefill_len=args.prefill_len, batch_size=args.batch_size, num_threads=args.num_threads,
-        force=args.force, progress=True, seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity,
-        weight_rounding=args.weight_rounding, device=args.device, layer_inputs=args.layer_inputs,
-        act_order=args.act_order,
-    )
+    options = _quantize_options(args)
+    result = quantize_to_artifact(options, args.out, _context_of(args), force=args.force)
     if args.recipe_summary:
-        print(summary)
-    print(
-        f"{result['artifact']}: {result['scheme']} ({result['recipe']}), {result['calibration_mode']} calibration on "
-        f"{result['calibration_tokens']} tokens in {result['calibration_seconds']:.1f} s "
-        f"(prepare {result['prepare_seconds']:.1f} s, convert {result['convert_seconds']:.1f} s, "
-        f"total {result['total_seconds']:.1f} s, {result['threads']} threads, {result['device']})"
-    )
-    return result
+        print(result.recipe_summary)
+    print(result.describe())
+    return to_json(result)
 
 
 # --------------------------------------------------------------------------- export
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.lower.export import export_artifact
+    from npuq.records import to_json
 
-    result = export_artifact(
-        args.artifact, args.out, qnn_version=args.qnn_version, htp_arch=args.htp_arch, soc=args.soc,
-        embedding_pattern=args.embedding_pattern, embedding_storage=args.embedding_storage, force=args.force,
-    )
-    qnn = f"QNN {result['qnn_version']} ({result['qnn_version_source']})" if result["qnn_version"] else "QNN version unknown"
-    arch = f"HTP v{result['htp_arch']}" if result["htp_arch"] else "HTP arch unknown"
-    print(f"{args.out}: decode.onnx, prefill.onnx, manifest.json for {qnn}, {arch}; "
-          f"embedding pattern {result['embedding_pattern']} [{result['seconds']:.1f} s]")
-    return result
+    result = export_artifact(args.artifact, args.out, _export_options(args), force=args.force)
+    print(f"{args.out}: decode.onnx, prefill.onnx, manifest.json for {result.describe()} [{result.seconds:.1f} s]")
+    return to_json(result)
 
 
 # --------------------------------------------------------------------------- run
@@ -379,16 +360,10 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.pipeline.job import PROMPTS, RunOptions, run_job
 
     options = RunOptions(
-        model=args.model, scheme=args.scheme, recipe=args.recipe, context=args.context, prefill_len=args.prefill_len,
-        calib_corpus=args.calib_corpus, calib_tokens=args.calib_tokens, batch_size=args.batch_size,
-        seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity, weight_rounding=args.weight_rounding,
-        layer_inputs=args.layer_inputs, act_order=args.act_order, eval_corpus=args.eval_corpus,
-        eval_tokens=args.eval_tokens, qnn_version=args.qnn_version,
-        htp_arch=args.htp_arch, soc=args.soc, embedding_pattern=args.embedding_pattern,
-        embedding_storage=args.embedding_storage, gen_tokens=args.gen_tokens,
-        prompts=tuple(args.prompt) if args.prompt else PROMPTS, num_threads=args.num_threads, device=args.device,
+        quantize=_quantize_options(args), export=_export_options(args), eval_corpus=args.eval_corpus,
+        eval_tokens=args.eval_tokens, gen_tokens=args.gen_tokens, prompts=tuple(args.prompt) if args.prompt else PROMPTS,
     )
-    report = run_job(options, args.out)
+    report = run_job(options, args.out, _context_of(args))
     ppl = report["perplexity"]
     print(f"{'graphs':<10}{'word ppl':>10}{'x float':>9}{'byte ppl':>10}")
     for name, r in ppl.items():

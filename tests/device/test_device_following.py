@@ -90,9 +90,9 @@ def test_perplexity_scores_on_the_device(lazy):
 
     cpu = evaluate_model(loaded(model), docs, CONTEXT, batch_size=2)
     on_device = evaluate_model(loaded(copy.deepcopy(model)), docs, CONTEXT, batch_size=2, device=lazy)
-    assert (cpu["device"], on_device["device"]) == ("cpu", "lazy:0")
-    assert on_device["tokens"] == cpu["tokens"] == 20 and on_device["windows"] == cpu["windows"]
-    assert on_device["word_perplexity"] == pytest.approx(cpu["word_perplexity"], rel=1e-5)
+    assert (cpu.device, on_device.device) == ("cpu", "lazy:0")
+    assert on_device.tokens == cpu.tokens == 20 and on_device.windows == cpu.windows
+    assert on_device.word_perplexity == pytest.approx(cpu.word_perplexity, rel=1e-5)
 
 
 @pytest.fixture(scope="module")

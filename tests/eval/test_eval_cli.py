@@ -48,9 +48,9 @@ def test_eval_writes_json(tiny_model, corpus_file, tmp_path):
     assert cli.main(argv) == 0
     result = json.loads(out.read_text())
     for key in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens", "words", "bytes", "documents",
-                "context", "seconds", "model", "corpus", "split"):
+                "context", "seconds", "graphs", "corpus", "split"):
         assert key in result, key
-    assert result["documents"] == 3 and result["context"] == 16 and result["model"] == "tiny"
+    assert result["documents"] == 3 and result["context"] == 16 and result["graphs"] == {"model": "tiny"}
     assert result["corpus"] == f"file:{corpus_file}" and result["split"] is None
     assert result["tokens"] > 16 and result["word_perplexity"] > 1.0
 

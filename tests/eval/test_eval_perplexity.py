@@ -70,10 +70,10 @@ def test_matches_a_hand_computation(tiny_lm, tokenizer, batch_size):
     ref = _by_hand(tiny_lm, tokenizer, PAGES, CONTEXT)
     assert ref["tokens"] > 4 * CONTEXT  # the long page spans several windows
     for key in ("tokens", "words", "bytes"):
-        assert ours[key] == ref[key], key
+        assert getattr(ours, key) == ref[key], key
     for key in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
-        assert ours[key] == pytest.approx(ref[key], rel=1e-6), key
-    assert ours["documents"] == 3 and ours["context"] == CONTEXT
+        assert getattr(ours, key) == pytest.approx(ref[key], rel=1e-6), key
+    assert ours.documents == 3 and ours.context == CONTEXT
 
 
 def test_every_token_is_scored_exactly_once(tiny_lm, tokenizer):
@@ -88,14 +88,14 @@ def test_every_token_is_scored_exactly_once(tiny_lm, tokenizer):
 
     docs = [Document("long", PAGES[0]), Document("short", PAGES[1])]
     result = evaluate_perplexity(recording, tokenizer, docs, CONTEXT, batch_size=2)
-    assert result["tokens"] == len(long_ids) + len(short_ids)
-    assert result["windows"] == math.ceil(len(long_ids) / CONTEXT) + 1
+    assert result.tokens == len(long_ids) + len(short_ids)
+    assert result.windows == math.ceil(len(long_ids) / CONTEXT) + 1
     assert all(b.shape[1] <= CONTEXT for b in seen)
     # Equal lengths only in a batch, and every window was run once.
-    assert sum(b.shape[0] for b in seen) == result["windows"]
+    assert sum(b.shape[0] for b in seen) == result.windows
     # Scoring a document alone gives the same log-likelihood as inside the corpus (no leakage).
-    alone = [evaluate_perplexity(tiny_lm, tokenizer, [d], CONTEXT)["loglikelihood"] for d in docs]
-    assert result["loglikelihood"] == pytest.approx(sum(alone), rel=1e-12)
+    alone = [evaluate_perplexity(tiny_lm, tokenizer, [d], CONTEXT).loglikelihood for d in docs]
+    assert result.loglikelihood == pytest.approx(sum(alone), rel=1e-12)
 
 
 def test_window_loglikelihood_uses_the_last_rows_in_float64():

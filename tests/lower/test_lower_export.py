@@ -12,7 +12,7 @@ import torch
 from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.lower import target as target_mod
-from npuq.lower.export import export_artifact
+from npuq.lower.export import ExportOptions, export_artifact
 from npuq.lower.ort import load_export, qnn_available
 from npuq.runtime.runner import StaticRunner
 
@@ -47,15 +47,14 @@ def pcq_artifact(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exported(artifact, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "out"
-    return export_artifact(artifact, out, qnn_version="2.51", htp_arch=73), out
+    return export_artifact(artifact, out, ExportOptions(qnn_version="2.51", htp_arch=73)), out
 
 
 def test_files_and_json(exported):
     result, out = exported
-    assert {"qnn_version", "qnn_version_source", "embedding_pattern", "files"} <= set(result)
-    assert result["qnn_version"] == "2.51.0" and result["qnn_version_source"] == "--qnn-version"
+    assert result.qnn_version == "2.51.0" and result.qnn_version_source == "--qnn-version"
     assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx"]
-    assert result["embedding_pattern"] == "plain"  # a shared (per-tensor) table: a plain Gather
+    assert result.embedding_pattern == "plain"  # a shared (per-tensor) table: a plain Gather
 
 
 def test_manifest(exported, artifact):
@@ -101,8 +100,8 @@ def test_runner_matches_artifact(exported, artifact, provider):
 
 @pytest.mark.parametrize("version, pattern", [("2.51", "optimized"), ("2.37", "legacy")])
 def test_pcq_embedding_pattern_follows_version(pcq_artifact, tmp_path, version, pattern):
-    result = export_artifact(pcq_artifact, tmp_path / "out", qnn_version=version, soc="SM8650")
-    assert result["embedding_pattern"] == pattern and result["htp_arch"] == 75
+    result = export_artifact(pcq_artifact, tmp_path / "out", ExportOptions(qnn_version=version, soc="SM8650"))
+    assert result.embedding_pattern == pattern and result.htp_arch == 75
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert [d["pattern"] for d in m["embeddings"].values()] == [pattern]
 
@@ -110,7 +109,7 @@ def test_pcq_embedding_pattern_follows_version(pcq_artifact, tmp_path, version, 
 def test_lpbq_and_pcq_run_on_htp(pcq_artifact, tmp_path):
     if qnn_available():
         pytest.skip(qnn_available())
-    export_artifact(pcq_artifact, tmp_path / "out", qnn_version="2.51", htp_arch=73)
+    export_artifact(pcq_artifact, tmp_path / "out", ExportOptions(qnn_version="2.51", htp_arch=73))
     from npuq.quantize.artifact import load_artifact
 
     manifest, graphs = load_export(tmp_path / "out", "htp")
@@ -128,15 +127,15 @@ def test_unknown_version_warns_once_and_uses_legacy(pcq_artifact, tmp_path, monk
     monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
     monkeypatch.setattr(target_mod, "installed_ort_qnn_version", lambda: None)
     with caplog.at_level(logging.WARNING, logger="npuq.lower"):
-        result = export_artifact(pcq_artifact, tmp_path / "out", htp_arch=73)
-    assert result["qnn_version"] is None and result["embedding_pattern"] == "legacy"
+        result = export_artifact(pcq_artifact, tmp_path / "out", ExportOptions(htp_arch=73))
+    assert result.qnn_version is None and result.embedding_pattern == "legacy"
     version_warnings = [r for r in caplog.records if "QNN SDK version unknown" in r.getMessage()]
     assert len(version_warnings) == 1
 
 
 def test_unknown_arch_warns_once_for_both_graphs(artifact, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="npuq.lower"):
-        export_artifact(artifact, tmp_path / "out", qnn_version="2.51")
+        export_artifact(artifact, tmp_path / "out", ExportOptions(qnn_version="2.51"))
     assert len([r for r in caplog.records if "8 bits" in r.getMessage()]) == 1
 
 
@@ -149,13 +148,13 @@ def _copy(artifact, tmp_path):
 
 def test_missing_folder(tmp_path):
     with pytest.raises(NpuqError, match="no such folder"):
-        export_artifact(tmp_path / "nope", tmp_path / "out", qnn_version="2.51")
+        export_artifact(tmp_path / "nope", tmp_path / "out", ExportOptions(qnn_version="2.51"))
 
 
 def test_not_an_artifact(tmp_path):
     (tmp_path / "a").mkdir()
     with pytest.raises(NpuqError, match="no config.json"):
-        export_artifact(tmp_path / "a", tmp_path / "out", qnn_version="2.51")
+        export_artifact(tmp_path / "a", tmp_path / "out", ExportOptions(qnn_version="2.51"))
 
 
 def test_artifact_of_another_version(artifact, tmp_path):
@@ -164,20 +163,20 @@ def test_artifact_of_another_version(artifact, tmp_path):
     config["format"], config["versions"]["npuq"] = "npuq-quantized/0", "0.0.1"
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(NpuqError, match=r"format 'npuq-quantized/0' written by npuq 0.0.1 .* quantize the model again"):
-        export_artifact(dst, tmp_path / "out", qnn_version="2.51")
+        export_artifact(dst, tmp_path / "out", ExportOptions(qnn_version="2.51"))
 
 
 def test_missing_program(artifact, tmp_path):
     dst = _copy(artifact, tmp_path)
     (dst / "prefill.pt2").unlink()
     with pytest.raises(NpuqError, match="prefill.pt2 is missing"):
-        export_artifact(dst, tmp_path / "out", qnn_version="2.51")
+        export_artifact(dst, tmp_path / "out", ExportOptions(qnn_version="2.51"))
 
 
 def test_existing_out_needs_force(exported, artifact):
     _, out = exported
     with pytest.raises(NpuqError, match="already exists: pass --force"):
-        export_artifact(artifact, out, qnn_version="2.51")
+        export_artifact(artifact, out, ExportOptions(qnn_version="2.51"))
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -198,6 +197,7 @@ def test_cli_json(artifact, tmp_path, capsys):
     assert code == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["qnn_version"] == "2.51.0" and set(result["files"]) == {"decode", "prefill", "manifest"}
+    assert result["htp_arch"] == 73 and result["embedding_pattern"] == "plain"
 
 
 def test_kv_encoding_mismatch_is_refused():

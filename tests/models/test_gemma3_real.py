@@ -33,4 +33,4 @@ def test_logits_and_greedy_tokens_match_transformers():
         ref_logits = hf(ids).logits
         ref_tokens = hf.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1]:].tolist()
     assert (forward_logits(loaded.model, ids) - ref_logits).abs().max().item() < 1e-3
-    assert generate(loaded, "The capital of France is", max_new_tokens=10, context=64)["token_ids"] == ref_tokens
+    assert generate(loaded, "The capital of France is", max_new_tokens=10, context=64).token_ids == tuple(ref_tokens)

@@ -21,7 +21,7 @@ STAGES = ["model", "threads", "quantize", "eval-float", "eval-quantized", "layer
           "eval-exported"]
 ARTIFACT_FILES = {"decode.pt2", "prefill.pt2", "encodings.json", "config.json"}
 ONNX_FILES = {"decode.onnx", "prefill.onnx", "manifest.json"}
-REPORT_KEYS = {"npuq_version", "created", "options", "model", "scheme", "recipe", "threads", "calibration", "layers",
+REPORT_KEYS = {"npuq_version", "created", "options", "execution", "model", "scheme", "recipe", "threads", "calibration", "layers",
                "perplexity", "export", "generations", "files", "stages", "seconds"}
 
 
@@ -90,6 +90,32 @@ def test_second_run_reuses_every_stage_and_export_options_redo_only_the_export(f
     # the superseded export stage folder was pruned, the new one published
     assert len(list((out / "stages").glob("export-*"))) == 1
     assert json.loads((out / "onnx" / "manifest.json").read_text())["options"]["embedding_storage"] == "int8-rowscale"
+
+
+# An alternative value for every ExportOptions field; the test fails for a field missing here.
+EXPORT_CHANGES = {"qnn_version": "2.47", "htp_arch": "75", "soc": "SM8650", "embedding_pattern": "legacy",
+                  "embedding_storage": "int8-rowscale"}
+
+
+def test_every_export_option_redoes_exactly_the_export_and_its_evaluation(first_run, inputs):
+    """One option at a time (each run differs from the one before in export options only): the run
+    rebuilds export and eval-exported and reuses the rest, so no export option can be left out of
+    the stage key (the key hashes the whole ExportOptions)."""
+    import dataclasses
+
+    from npuq.lower.export import ExportOptions
+
+    assert set(EXPORT_CHANGES) == {f.name for f in dataclasses.fields(ExportOptions)}
+    out, _ = first_run
+    for name, value in EXPORT_CHANGES.items():
+        base = argv(inputs, out)
+        if name == "soc":  # --soc and --htp-arch exclude each other
+            i = base.index("--htp-arch")
+            del base[i:i + 2]
+        assert main([*base, f"--{name.replace('_', '-')}", value]) == 0, name
+        report = json.loads((out / "report.json").read_text())
+        assert [s["stage"] for s in report["stages"] if not s["cached"]] == ["export", "eval-exported"], name
+        assert report["options"]["export"][name] in (value, int(value) if value.isdigit() else value), name
 
 
 def test_interrupted_run_resumes_to_the_same_encodings(first_run, inputs, tmp_path):

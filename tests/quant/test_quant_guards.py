@@ -16,8 +16,8 @@ import torch
 
 from npuq.cli import main
 from npuq.errors import NpuqError
-from npuq.lower.export import export_artifact
-from npuq.quant import pipeline
+from npuq.lower.export import ExportOptions, export_artifact
+from npuq.quantize import pt2e as pipeline
 from npuq.quantize.artifact import (
     estimate_artifact_bytes,
     load_artifact,
@@ -90,7 +90,7 @@ def test_full_disk_refuses_the_artifact_before_writing(tiny_folders, tmp_path, m
 def test_full_disk_refuses_the_export_with_the_size_it_needs(tiny_folders, tmp_path, monkeypatch):
     _free(monkeypatch, 1 << 20)
     with pytest.raises(NpuqError, match=r"the export .* needs about") as exc:
-        export_artifact(tiny_folders.artifact, tmp_path / "onnx", qnn_version="2.51", htp_arch=73)
+        export_artifact(tiny_folders.artifact, tmp_path / "onnx", ExportOptions(qnn_version="2.51", htp_arch=73))
     needed = float(re.search(r"needs about ([\d.]+) MiB", str(exc.value)).group(1)) * (1 << 20)
     assert needed >= _size(tiny_folders.onnx)  # the real export of the same artifact
     assert list(tmp_path.iterdir()) == []
@@ -119,7 +119,7 @@ def test_program_outside_the_artifact_is_refused(tiny_folders, tmp_path, capsys,
     with pytest.raises(NpuqError, match=message):
         read_artifact(art)
     with pytest.raises(NpuqError, match=message):
-        export_artifact(art, tmp_path / "onnx", qnn_version="2.51")
+        export_artifact(art, tmp_path / "onnx", ExportOptions(qnn_version="2.51"))
     capsys.readouterr()
     assert main(["eval", "--artifact", str(art), "--context", "8"]) == 2
     err = capsys.readouterr().err

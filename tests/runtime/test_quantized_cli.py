@@ -44,7 +44,7 @@ def test_eval_float_artifact_and_onnx_agree(folders, tmp_path):
     art_r = _eval(["--artifact", str(folders / "art")], tmp_path)
     onnx_r = _eval(["--onnx", str(folders / "onnx")], tmp_path)
     assert float_r["tokens"] == art_r["tokens"] == onnx_r["tokens"] == 300
-    assert art_r["scheme"] == "16a8w"
+    assert art_r["graphs"]["scheme"] == "16a8w"
     # 16a8w stays close to float; the exported QDQ graphs compute what the PT2E programs compute.
     assert abs(art_r["word_perplexity"] / float_r["word_perplexity"] - 1) < 0.05
     assert abs(onnx_r["word_perplexity"] / art_r["word_perplexity"] - 1) < 0.01

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from npuq.errors import NpuqError
-from npuq.runtime.workloads import phase_workload, phase_workloads
+from npuq.runtime.workloads import PHASES, phase_workload
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def test_each_phase_runs_its_mode_and_names_it(tiny):
-    loads = phase_workloads(tiny, context=32, prefill_len=8)
+    loads = {p: phase_workload(tiny, p, 32, 8 if p == "prefill" else None) for p in PHASES}
     assert [w.tokens_per_step for w in loads.values()] == [1, 8, 32]
     for phase, w in loads.items():
         assert w.run() is None

@@ -13,7 +13,7 @@ logits come back, so only one float64 sum per chunk of rows returns to the host,
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,6 +26,61 @@ from npuq.eval.metrics import PerplexityTotals, document_totals, perplexity_metr
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # (B, T) int64 → (B, T, V) float
 
 _ROWS_PER_CHUNK = 128  # float64 log-softmax over (128, V) at a time bounds the extra memory
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What ``npuq eval`` scores and how; each field is the flag of the same name. ``npuq run``
+    scores its float, quantized and exported graphs with one of these."""
+
+    corpus: str = "builtin"  # builtin, file:PATH or wikitext2
+    split: str = "eval"
+    context: int = 512
+    max_docs: int | None = None
+    max_tokens: int | None = None
+    batch_size: int = 4  # windows of equal length per forward of the float model
+
+    def __post_init__(self) -> None:
+        from npuq.data.corpora import SPLITS
+
+        check_context(self.context)
+        if self.split not in SPLITS:
+            raise NpuqError(f"--split {self.split!r}: choose one of {', '.join(SPLITS)}")
+        if self.max_docs is not None and self.max_tokens is not None:
+            raise NpuqError("pass either --max-docs or --max-tokens, not both")
+        for name in ("max_docs", "max_tokens", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise NpuqError(f"--{name.replace('_', '-')} {value} must be at least 1")
+        if self.max_tokens is not None and self.max_tokens < 2:
+            raise NpuqError(f"--max-tokens {self.max_tokens}: scoring needs at least 2 tokens")
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Perplexity of one set of graphs on one corpus (docs/design.md §7)."""
+
+    word_perplexity: float
+    byte_perplexity: float
+    bits_per_byte: float
+    loglikelihood: float
+    tokens: int
+    words: int
+    bytes: int
+    documents: int
+    windows: int
+    context: int
+    seconds: float  # tokenization and scoring
+    threads: int = 0  # torch threads while scoring
+    device: str = "cpu"
+    graphs: dict[str, Any] = field(default_factory=dict)  # what was scored: model, artifact or onnx folder
+    corpus: str | None = None
+    split: str | None = None
+    replacement_characters: int = 0  # non-UTF-8 byte sequences in the text, read as U+FFFD
+
+    def describe(self) -> str:
+        return (f"word perplexity {self.word_perplexity:.4f}, byte perplexity {self.byte_perplexity:.4f}, "
+                f"bits per byte {self.bits_per_byte:.4f}")
 
 
 @dataclass(frozen=True)
@@ -126,13 +181,9 @@ def evaluate_perplexity(
     max_context: int | None = None,
     progress: bool = False,
     device: str | torch.device | None = None,
-) -> dict[str, Any]:
+) -> EvalResult:
     """Word/byte perplexity and bits per byte of ``documents`` under ``logits_fn``, which gets
-    its tokens on ``device`` (None: the CPU).
-
-    Result: word_perplexity, byte_perplexity, bits_per_byte, loglikelihood, tokens, words,
-    bytes, documents, windows, context, seconds (tokenization and scoring).
-    """
+    its tokens on ``device`` (None: the CPU)."""
     check_context(context, max_context)
     start = time.perf_counter()
     docs = tokenize_documents(tokenizer, documents, max_docs, max_tokens)
@@ -145,17 +196,10 @@ def evaluate_perplexity(
         (document_totals(d.page, ll, len(d.tokens)) for d, ll in zip(docs, per_doc)),
         PerplexityTotals(0.0, 0, 0, 0, 0),
     )
-    return {
-        **perplexity_metrics(totals),
-        "loglikelihood": totals.loglikelihood,
-        "tokens": totals.tokens,
-        "words": totals.words,
-        "bytes": totals.bytes,
-        "documents": totals.documents,
-        "windows": len(windows),
-        "context": context,
-        "seconds": time.perf_counter() - start,
-    }
+    return EvalResult(**perplexity_metrics(totals), loglikelihood=totals.loglikelihood, tokens=totals.tokens,
+                      words=totals.words, bytes=totals.bytes, documents=totals.documents, windows=len(windows),
+                      context=context, seconds=time.perf_counter() - start,
+                      device=str(device) if device is not None else "cpu", threads=torch.get_num_threads())
 
 
 def evaluate_model(
@@ -169,12 +213,12 @@ def evaluate_model(
     num_threads: int = 0,
     progress: bool = False,
     device: str | torch.device | None = None,
-) -> dict[str, Any]:
+) -> EvalResult:
     """Perplexity of a loaded float model (:func:`npuq.models.load_model`) on ``documents``.
 
     ``num_threads``: torch threads while scoring, applied through :func:`npuq.threads.thread_scope`;
     0 leaves torch's count as it is. ``device``: where to score; the model moves there in place
-    (None: where it is). Result: :func:`evaluate_perplexity`'s, plus model, threads and device.
+    (None: where it is).
     """
     from npuq.device import device_of
     from npuq.runtime.runner import forward_logits
@@ -194,4 +238,4 @@ def evaluate_model(
             lambda tokens: forward_logits(model, tokens), loaded.tokenizer, documents, context,
             batch_size=batch_size, max_docs=max_docs, max_tokens=max_tokens, progress=progress, device=device,
         )
-    return {**result, "model": loaded.name, "threads": threads, "device": str(device)}
+    return replace(result, graphs={"model": loaded.name}, threads=threads, device=str(device))

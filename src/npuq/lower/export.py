@@ -19,16 +19,17 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import onnx
 
-from npuq.fsio import atomic_dir, read_json, resolve_inside
+from npuq.fsio import atomic_dir, folder_lock, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
 from npuq.lower.registry import LowerOptions
-from npuq.lower.target import Target, resolve_target
+from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.quantize.artifact import load_program, program_path, read_artifact
 
 
@@ -104,28 +105,77 @@ def _embedding_summary(notes_by_graph: dict[str, list]) -> tuple[str, dict[str, 
     return (patterns[0] if len(patterns) == 1 else ",".join(patterns)) if patterns else "plain", per_node
 
 
+@dataclass(frozen=True)
+class ExportOptions:
+    """What an export lowers for; each field is the ``npuq export`` flag of the same name.
+
+    Checked on construction without reading the environment; :meth:`target` adds what the
+    environment says (the SDK version of ``$QNN_SDK_ROOT`` or of onnxruntime-qnn).
+    """
+
+    qnn_version: str | None = None  # X.Y[.Z]; None: from the environment, else unknown
+    htp_arch: int | None = None  # 68 ... 81; None: from soc, else unknown (8-bit attention matmul inputs)
+    soc: str | None = None  # a chip name such as SM8650 (sets htp_arch)
+    embedding_pattern: str = "auto"  # auto | legacy | optimized
+    embedding_storage: str = "u16"  # u16 | int8-rowscale
+
+    def __post_init__(self) -> None:
+        if self.htp_arch is not None and self.soc is not None:
+            raise NpuqError("pass either --htp-arch or --soc, not both")
+        if self.qnn_version is not None:
+            parse_version(self.qnn_version)
+        if self.htp_arch is not None:
+            object.__setattr__(self, "htp_arch", parse_htp_arch(self.htp_arch))
+        if self.soc is not None:
+            arch_of_soc(self.soc)
+            object.__setattr__(self, "soc", self.soc.strip().upper())
+        self.lower_options()
+
+    def lower_options(self) -> LowerOptions:
+        return LowerOptions(self.embedding_pattern, self.embedding_storage)
+
+    def target(self) -> Target:
+        return resolve_target(self.qnn_version, self.htp_arch, self.soc)
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    qnn_version: str | None
+    qnn_version_source: str | None
+    htp_arch: int | None
+    soc: str | None
+    embedding_pattern: str  # the pattern chosen (plain, legacy, optimized, or several joined by commas)
+    files: dict[str, str]  # decode, prefill, manifest → path
+    seconds: float
+
+    def describe(self) -> str:
+        qnn = f"QNN {self.qnn_version} ({self.qnn_version_source})" if self.qnn_version else "QNN version unknown"
+        arch = (f"HTP v{self.htp_arch}" + (f" ({self.soc})" if self.soc else "")) if self.htp_arch else "HTP arch unknown"
+        return f"{qnn}, {arch}; embedding pattern {self.embedding_pattern}"
+
+
 def export_artifact(
     artifact: str | os.PathLike,
     out: str | os.PathLike,
+    options: ExportOptions = ExportOptions(),
     *,
-    qnn_version: str | None = None,
-    htp_arch: int | str | None = None,
-    soc: str | None = None,
-    embedding_pattern: str = "auto",
-    embedding_storage: str = "u16",
     force: bool = False,
     target: Target | None = None,
-) -> dict[str, Any]:
-    """Lower both programs of ``artifact`` and write the export folder ``out`` atomically."""
+) -> ExportResult:
+    """Lower both programs of ``artifact`` and write the export folder ``out`` atomically.
+    ``target``: already resolved from ``options`` (:meth:`ExportOptions.target`), else resolved here."""
+    with folder_lock(out, "npuq export"):  # one writer per folder
+        return _export(Path(artifact), Path(out), options, force, target)
+
+
+def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, target: Target | None) -> ExportResult:
     from npuq import __version__
 
     start = time.perf_counter()
-    options = LowerOptions(embedding_pattern, embedding_storage)  # validates before any work
-    out = Path(out)
     if out.exists() and not force:
         raise NpuqError(f"{out} already exists: pass --force to replace it, or choose another --out")
-    if target is None:  # flags first: a typo fails before any file is read
-        target = resolve_target(qnn_version, htp_arch, soc)
+    if target is None:
+        target = options.target()
     config = read_artifact(artifact)
     from npuq.models.config import ModelConfig
 
@@ -135,7 +185,7 @@ def export_artifact(
     lowered: dict[str, LoweredGraph] = {}
     for kind in ("decode", "prefill"):
         program = load_program(program_path(artifact, config, kind))
-        lowered[kind] = lower_program(program, target, options, in_names, out_names, is_kv,
+        lowered[kind] = lower_program(program, target, options.lower_options(), in_names, out_names, is_kv,
                                       graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
     check_kv_encodings(lowered)
     log_notes_once([n for g in lowered.values() for n in g.notes])
@@ -180,19 +230,13 @@ def export_artifact(
             "kv_cache": "quantized codes: copy k_new_i / v_new_i outputs into k_cache_i / v_cache_i as they are",
             "embedding_pattern": pattern,
             "embeddings": per_node,
-            "options": {"embedding_pattern": embedding_pattern, "embedding_storage": embedding_storage},
+            "options": {"embedding_pattern": options.embedding_pattern, "embedding_storage": options.embedding_storage},
             "graphs": graphs_json,
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         files["manifest"] = str(out / "manifest.json")
-    return {
-        "qnn_version": manifest["target"]["qnn_version"],
-        "qnn_version_source": target.qnn_version_source,
-        "htp_arch": target.htp_arch,
-        "embedding_pattern": pattern,
-        "files": files,
-        "seconds": time.perf_counter() - start,
-    }
+    return ExportResult(manifest["target"]["qnn_version"], target.qnn_version_source, target.htp_arch, target.soc,
+                        pattern, files, time.perf_counter() - start)
 
 
 # --------------------------------------------------------------------------- reading it back

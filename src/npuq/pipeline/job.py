@@ -18,59 +18,79 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from npuq.fsio import atomic_dir, write_json, write_text
-from npuq.device import is_cpu
+from npuq import __version__
+from npuq.data import load_corpus
+from npuq.data.corpora import corpus_tokens
 from npuq.errors import NpuqError
+from npuq.eval.layers import layer_errors
+from npuq.eval.perplexity import EvalOptions, EvalResult, evaluate_model, evaluate_perplexity
+from npuq.fsio import atomic_dir, write_json, write_text
+from npuq.lower.export import ExportOptions, ExportResult, export_artifact
+from npuq.pipeline.programs import Programs, open_programs
 from npuq.pipeline.stages import RunDir
+from npuq.quantize.stage import QuantizeOptions, QuantizeResult, check_quantize, quantize_to_artifact
+from npuq.records import from_json, to_json
+from npuq.runtime.context import ExecutionContext
+from npuq.runtime.generate import generate
+from npuq.runtime.workloads import PHASES, phase_workload
+from npuq.threads import cpu_limits, cpu_model, tune_cached
 
 PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):",
     "The three most important things to know about the Python programming language are",
 )
+EVAL_BATCH = 4  # windows per forward of the float model
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunOptions:
-    model: str = "smollm2-135m"
-    scheme: str | None = None
-    recipe: str | None = None
-    context: int = 512
-    prefill_len: int | None = None
-    calib_corpus: str = "builtin"
-    calib_tokens: int = 4096
-    batch_size: int = 8
-    seq_mse: int | None = None
-    seq_mse_granularity: str = "channel"
-    weight_rounding: str = "nearest"
-    layer_inputs: str | None = None  # None for either: npuq.optimize.recovery.resolve_recovery's defaults
-    act_order: bool | None = None
-    eval_corpus: str = "builtin"
+    """Everything that decides a run's results: the quantize and export records of the single
+    commands, plus what the run evaluates and generates. Each stage is keyed on the records it
+    reads, hashed whole; where the work runs (device, threads) is the ExecutionContext's."""
+
+    quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
+    export: ExportOptions = field(default_factory=ExportOptions)
+    eval_corpus: str = "builtin"  # its eval split, disjoint from the calib split
     eval_tokens: int = 4096
-    qnn_version: str | None = None
-    htp_arch: str | None = None
-    soc: str | None = None
-    embedding_pattern: str = "auto"
-    embedding_storage: str = "u16"
     gen_tokens: int = 16
     prompts: tuple[str, ...] = PROMPTS
-    num_threads: int = 0
     sqnr_tokens: int = 32  # one prefill chunk of the default length
-    device: str = "auto"  # calibration, SeqMSE/GPTQ and the float / PT2E evaluations (npuq.device)
 
-    def quantize_inputs(self) -> dict[str, Any]:
-        keys = ("scheme", "recipe", "context", "prefill_len", "calib_corpus", "calib_tokens", "batch_size",
-                "seq_mse", "seq_mse_granularity", "weight_rounding", "layer_inputs", "act_order")
-        inputs = {k: getattr(self, k) for k in keys}
-        if self.recipe and Path(self.recipe).is_file():  # a recipe file: its content, not its name
-            inputs["recipe_text"] = Path(self.recipe).read_text(encoding="utf-8")
-        return inputs
+    def __post_init__(self) -> None:
+        if self.eval_tokens < 2:
+            raise NpuqError(f"--eval-tokens {self.eval_tokens}: scoring needs at least 2 tokens")
+        if self.gen_tokens < 1 or self.sqnr_tokens < 1:
+            raise NpuqError("--gen-tokens must be at least 1")
+        if not self.prompts or not all(p.strip() for p in self.prompts):
+            raise NpuqError("--prompt needs some text")
+        if self.gen_tokens >= self.quantize.context:
+            raise NpuqError(f"--gen-tokens {self.gen_tokens} leaves no room for a prompt in --context "
+                            f"{self.quantize.context}: use at most {self.quantize.context - 1}")
+
+    @property
+    def model(self) -> str:
+        return self.quantize.model
+
+    @property
+    def eval(self) -> EvalOptions:
+        return EvalOptions(self.eval_corpus, "eval", self.quantize.context, max_tokens=self.eval_tokens,
+                           batch_size=EVAL_BATCH)
+
+
+@dataclass(frozen=True)
+class ThreadsResult:
+    ceiling: int
+    affinity_cpus: int
+    cgroup_quota_cpus: float | None
+    plan: dict[str, Any]  # phase → threads
+    sweeps: tuple[dict[str, Any], ...]  # npuq.threads.TuneResult.to_dict() per phase
 
 
 def model_identity(spec: str) -> dict[str, Any]:
@@ -103,16 +123,16 @@ def link_tree(source: Path, target: Path) -> None:
 class Job:
     options: RunOptions
     out: Path
-    progress: bool = True
+    ctx: ExecutionContext
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
-        self.results: dict[str, Any] = {}
+        self.results: dict[str, Any] = {}  # stage → its result (a record, or JSON for model/layers/generate)
         self.folders: dict[str, Path] = {}
         self.keys: dict[str, str] = {}
 
     def say(self, text: str) -> None:
-        if self.progress:
+        if self.ctx.progress:
             print(text, file=sys.stderr, flush=True)
 
     @functools.cached_property
@@ -120,187 +140,140 @@ class Job:
         """The float model, loaded once and only if a stage has to be built."""
         from npuq.models import load_model
 
-        return load_model(self.options.model, max_context=max(self.options.context, 4096))
+        return load_model(self.options.model, max_context=max(self.options.quantize.context, 4096))
 
-    def stage(self, name: str, inputs: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    def stage(self, name: str, inputs: dict[str, Any], build: Callable[[Path], Any], record: type | None = None) -> Any:
+        """Stage ``name`` keyed on ``inputs`` (records as their whole JSON, upstream keys, the
+        environment). ``build(folder)`` returns a ``record`` (stored as JSON, read back typed)
+        or a JSON-able dict."""
         self.say(f"[{STAGES.index(name) + 1}/{len(STAGES)}] {name}: {STAGE_TITLES[name]}")
-        folder, result = self.run.stage(name, inputs, build)
+        folder, data = self.run.stage(name, inputs, lambda tmp: _plain(build(tmp)))
         entry = self.run.log[-1]
         self.say(f"      {name}: reused from {folder.relative_to(self.out)}" if entry["cached"]
                  else f"      {name}: done in {entry['seconds']:.1f} s")
+        result = from_json(record, data, f"{folder / 'result.json'}") if record else data
         self.results[name], self.folders[name], self.keys[name] = result, folder, entry["key"]
         return result
 
     # ------------------------------------------------------------------ stages
     def threads(self, base: dict[str, Any]) -> None:
-        from npuq.quantize.pt2e import default_prefill_len
-        from npuq.threads import cpu_limits, tune_cached
-        from npuq.runtime.workloads import PHASES, phase_workload
+        q = self.options.quantize
 
-        o = self.options
-        prefill_len = o.prefill_len or default_prefill_len(o.context)
-
-        def build(_folder: Path) -> dict[str, Any]:
+        def build(_folder: Path) -> ThreadsResult:
             limits = cpu_limits()
             sweeps = []
             for phase in PHASES:
-                workload = phase_workload(self.loaded.model, phase, o.context, prefill_len if phase == "prefill" else None)
+                workload = phase_workload(self.loaded.model, phase, q.context, q.prefill_len if phase == "prefill" else None,
+                                          q.batch_size if phase == "calibrate" else 1)
                 sweeps.append(tune_cached(phase, workload, ceiling=limits.ceiling).to_dict())
-            return {"ceiling": limits.ceiling, "affinity_cpus": limits.affinity, "cgroup_quota_cpus": limits.quota,
-                    "plan": {s["phase"]: s["best"] for s in sweeps}, "sweeps": sweeps}
+            return ThreadsResult(limits.ceiling, limits.affinity, limits.quota,
+                                 {s["phase"]: s["best"] for s in sweeps}, tuple(sweeps))
 
-        self.stage("threads", {**base, "context": o.context, "prefill_len": prefill_len,
-                               "cpu": os.cpu_count()}, build)
+        limits = cpu_limits()  # the CPUs this process may use now: a new taskset or quota is a new plan
+        cpus = {"ceiling": limits.ceiling, "affinity": limits.affinity, "quota": limits.quota, "model": cpu_model()}
+        result = self.stage("threads", {**base, "context": q.context, "prefill_len": q.prefill_len,
+                                        "batch_size": q.batch_size, "cpus": cpus, "torch": torch.__version__},
+                            build, ThreadsResult)
+        self.ctx.adopt(result.plan)
 
     def quantize(self, base: dict[str, Any]) -> None:
-        from npuq.quantize.stage import quantize_to_artifact
+        q = self.options.quantize
 
-        o = self.options
+        def build(folder: Path) -> QuantizeResult:
+            result = quantize_to_artifact(q, folder / "artifact", self.ctx)
+            return replace(result, artifact="artifact")  # relative to the stage folder
 
-        def build(folder: Path) -> dict[str, Any]:
-            result, summary = quantize_to_artifact(
-                o.model, str(folder / "artifact"), scheme=o.scheme, recipe=o.recipe, corpus=o.calib_corpus,
-                calib_tokens=o.calib_tokens, context=o.context, prefill_len=o.prefill_len, batch_size=o.batch_size,
-                num_threads=o.num_threads, progress=self.progress, seq_mse=o.seq_mse,
-                seq_mse_granularity=o.seq_mse_granularity, weight_rounding=o.weight_rounding, device=str(self.device),
-                layer_inputs=o.layer_inputs, act_order=o.act_order,
-            )
-            result["artifact"] = "artifact"  # relative to the stage folder
-            return {**result, "recipe_summary": summary}
-
-        self.stage("quantize", {**base, **o.quantize_inputs(), "device": str(self.device)}, build)
+        inputs = {**base, "options": to_json(q), "recipe_text": q.recipe_text(), "device": str(self.ctx.device)}
+        self.stage("quantize", inputs, build, QuantizeResult)
 
     def evaluate(self, name: str, of: str | None, base: dict[str, Any]) -> None:
         """Perplexity on the eval corpus of the float model (``of`` None) or of the graphs made
         by stage ``of`` ("quantize": PT2E programs, "export": ONNX on ONNX Runtime's CPU provider)."""
-        from npuq.eval.perplexity import evaluate_model, evaluate_perplexity
-        from npuq.threads import scope_or_keep
+        e = self.options.eval
+        ctx = self.ctx if of != "export" else self.ctx.on("cpu")  # ONNX Runtime takes CPU tensors
 
-        o = self.options
-
-        def build(_folder: Path) -> dict[str, Any]:
-            documents = self.documents
+        def build(_folder: Path) -> EvalResult:
             if of is None:  # whole windows: the calibrate phase's shape
                 try:
-                    return evaluate_model(self.loaded, documents, o.context, batch_size=4, max_tokens=o.eval_tokens,
-                                          num_threads=self.phase_threads("calibrate"), progress=self.progress,
-                                          device=self.device)
+                    with ctx.scope("calibrate") as threads:
+                        return evaluate_model(self.loaded, self.documents, e.context, batch_size=e.batch_size,
+                                              max_tokens=e.max_tokens, num_threads=threads, progress=ctx.progress,
+                                              device=ctx.device)
                 finally:
                     self.loaded.model.to("cpu")  # the later stages run it on the CPU
-            device = self.device if of == "quantize" else torch.device("cpu")  # ONNX Runtime takes CPU tensors
             programs = self.artifact_programs() if of == "quantize" else self.export_programs()
-            with scope_or_keep(self.phase_threads("prefill")) as threads:  # prefill chunks
-                result = evaluate_perplexity(programs.to(device).logits, self.loaded.tokenizer, documents, o.context,
-                                             max_tokens=o.eval_tokens, progress=self.progress, device=device)
-            return {**result, **programs.describe(), "threads": threads, "device": str(device)}
+            with ctx.scope("prefill"):  # prefill chunks
+                result = evaluate_perplexity(programs.to(ctx.device).logits, self.loaded.tokenizer, self.documents,
+                                             e.context, max_tokens=e.max_tokens, progress=ctx.progress,
+                                             device=ctx.device)
+            return replace(result, graphs=programs.describe())
 
-        inputs = {**base, "corpus": o.eval_corpus, "tokens": o.eval_tokens, "context": o.context,
-                  "of": self.keys[of] if of else "float", "device": str(self.device) if of != "export" else "cpu"}
-        self.stage(name, inputs, build)
+        inputs = {**base, "options": to_json(e), "of": self.keys[of] if of else "float", "device": str(ctx.device)}
+        self.stage(name, inputs, build, EvalResult)
 
-    def phase_threads(self, phase: str) -> int:
-        """--num-threads if given, else the count the threads stage measured for ``phase`` (on a
-        GPU: 0, torch's count kept)."""
-        if self.options.num_threads or not is_cpu(self.device):
-            return self.options.num_threads
-        return int(self.results["threads"]["plan"][phase])
-
-    def artifact_programs(self) -> Any:
-        from npuq.pipeline.programs import open_programs
-
+    def artifact_programs(self) -> Programs:
         return open_programs(artifact=str(self.folders["quantize"] / "artifact"))
 
-    def export_programs(self) -> Any:
-        from npuq.pipeline.programs import open_programs
-
+    def export_programs(self) -> Programs:
         return open_programs(onnx=str(self.folders["export"] / "onnx"), provider="cpu")
 
     def layers(self) -> None:
-        from npuq.eval.layers import layer_errors
-        from npuq.data.corpora import corpus_tokens
-        from npuq.threads import scope_or_keep
-
-        o = self.options
+        o, ctx = self.options, self.ctx.on("cpu")
 
         def build(_folder: Path) -> dict[str, Any]:
             programs = self.artifact_programs()
             ids = corpus_tokens(self.loaded.tokenizer, o.eval_corpus, o.sqnr_tokens, split="eval")
-            with scope_or_keep(self.phase_threads("prefill")):
+            with ctx.scope("prefill"):
                 errors = layer_errors(self.loaded.model, programs.graphs, programs.config, programs.context, ids)
             return {"tokens": len(ids), "layers": [e.to_dict() for e in errors]}
 
         self.stage("layers", {"of": self.keys["quantize"], "corpus": o.eval_corpus, "tokens": o.sqnr_tokens}, build)
 
     def generate(self) -> None:
-        from npuq.runtime.generate import generate
-
-        o = self.options
+        o, ctx = self.options, self.ctx.on("cpu")
 
         def build(_folder: Path) -> dict[str, Any]:
             programs = self.artifact_programs()
             rows = []
             for prompt in o.prompts:
                 kwargs = {"max_new_tokens": o.gen_tokens, "context": programs.context,
-                          "prefill_len": max(programs.graphs), "num_threads": o.num_threads}
+                          "prefill_len": max(programs.graphs), "ctx": ctx}
                 ref = generate(self.loaded, prompt, **kwargs)
                 quant = generate(self.loaded, prompt, graphs=programs.graphs, **kwargs)
-                same = common_prefix(ref["token_ids"], quant["token_ids"])
-                rows.append({"prompt": prompt, "float": ref["text"], "quantized": quant["text"],
-                             "same_tokens": same, "tokens": len(ref["token_ids"]),
-                             "float_tokens_per_second": ref["tokens_per_second"],
-                             "quantized_tokens_per_second": quant["tokens_per_second"]})
+                rows.append({"prompt": prompt, "float": ref.text, "quantized": quant.text,
+                             "same_tokens": common_prefix(ref.token_ids, quant.token_ids), "tokens": len(ref.token_ids),
+                             "float_tokens_per_second": ref.tokens_per_second,
+                             "quantized_tokens_per_second": quant.tokens_per_second})
             return {"generations": rows}
 
         self.stage("generate", {"of": self.keys["quantize"], "prompts": list(o.prompts), "tokens": o.gen_tokens}, build)
 
     def export(self) -> None:
-        from npuq.lower.export import export_artifact
+        x = self.options.export
 
-        o, target = self.options, self.target
+        def build(folder: Path) -> ExportResult:
+            result = export_artifact(self.folders["quantize"] / "artifact", folder / "onnx", x, target=self.target)
+            return replace(result, files={k: str(Path(v).relative_to(folder)) for k, v in result.files.items()})
 
-        def build(folder: Path) -> dict[str, Any]:
-            result = export_artifact(self.folders["quantize"] / "artifact", folder / "onnx", target=target,
-                                     embedding_pattern=o.embedding_pattern, embedding_storage=o.embedding_storage)
-            result["files"] = {k: str(Path(v).relative_to(folder)) for k, v in result["files"].items()}
-            return result
-
-        inputs = {"of": self.keys["quantize"], "target": target.describe(),  # the environment's SDK counts "embedding_pattern": o.embedding_pattern,
-                  "embedding_storage": o.embedding_storage}
-        self.stage("export", inputs, build)
+        # the resolved target too: a different SDK found in the environment is a new export
+        inputs = {"of": self.keys["quantize"], "options": to_json(x), "target": self.target.describe()}
+        self.stage("export", inputs, build, ExportResult)
 
     # ------------------------------------------------------------------ the whole job
     def check(self) -> None:
-        """Every option that can be checked without the model, before the first stage."""
-        from npuq.data import load_corpus
-        from npuq.device import resolve_device
-        from npuq.eval.perplexity import check_context
-        from npuq.lower.registry import LowerOptions
-        from npuq.lower.target import resolve_target
-        from npuq.quant.recipe import load_recipe
-        from npuq.optimize.recovery import resolve_recovery
-
-        o = self.options
-        if o.eval_tokens < 2 or o.gen_tokens < 1 or o.sqnr_tokens < 1:
-            raise NpuqError("--eval-tokens must be at least 2 and --gen-tokens at least 1")
-        if o.calib_tokens < o.context:
-            raise NpuqError(f"--calib-tokens {o.calib_tokens} is less than one window of --context {o.context}: "
-                            "raise it or lower the context")
-        resolve_recovery(o.seq_mse, o.weight_rounding, o.layer_inputs, o.act_order)
-        check_context(o.context)
-        load_recipe(o.recipe, o.scheme, o.model)
-        LowerOptions(o.embedding_pattern, o.embedding_storage)
-        self.target = resolve_target(o.qnn_version, o.htp_arch, o.soc)
-        self.device = resolve_device(o.device)
-        load_corpus(o.calib_corpus, "calib")
-        self.documents = load_corpus(o.eval_corpus, "eval")
-        model_identity(o.model)
+        """What the records cannot check alone (files, corpora, the environment), before the first stage."""
+        check_quantize(self.options.quantize)
+        self.target = self.options.export.target()
+        self.documents = load_corpus(self.options.eval_corpus, "eval")
+        model_identity(self.options.model)
 
     def execute(self) -> dict[str, Any]:
-        from npuq import __version__
-
         start = time.perf_counter()
         self.check()
-        self.run = RunDir(self.out)  # only once the options are known to be good
+        with RunDir(self.out) as self.run:  # only once the options are known to be good; locked until the end
+            return self._execute(start)
+
+    def _execute(self, start: float) -> dict[str, Any]:
         if self.run.interrupted is not None:
             self.say(f"npuq run: the previous run in {self.out} was interrupted (stage "
                      f"{self.run.interrupted.get('stage') or 'between stages'}); finished stages are reused")
@@ -335,6 +308,10 @@ class Job:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+def _plain(result: Any) -> Any:
+    return result if isinstance(result, dict) else to_json(result)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens two generations share."""
     n = 0
@@ -361,6 +338,7 @@ STAGE_TITLES = {
 }
 
 
-def run_job(options: RunOptions, out: str | os.PathLike, progress: bool = True) -> dict[str, Any]:
-    """Run every stage into ``out`` (reusing finished ones) and return report.json's content."""
-    return Job(options, Path(out), progress).execute()
+def run_job(options: RunOptions, out: str | os.PathLike, ctx: ExecutionContext | None = None) -> dict[str, Any]:
+    """Run every stage into ``out`` (reusing finished ones) and return report.json's content.
+    ``ctx``: where the work runs (default: automatic device and threads, with progress)."""
+    return Job(options, Path(out), ctx or ExecutionContext.create(progress=True)).execute()

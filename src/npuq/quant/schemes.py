@@ -18,11 +18,12 @@ Storage conventions (as the ExecuTorch Qualcomm backend carries them in PT2E):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
-
-import torch
+from typing import TYPE_CHECKING, Union
 
 from npuq.errors import NpuqError
+
+if TYPE_CHECKING:  # torch is imported where a dtype is asked for: the CLI's --help lists schemes without it
+    import torch
 
 
 # --------------------------------------------------------------------------- granularity
@@ -107,12 +108,16 @@ class TensorFormat:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The PT2E storage dtype (see the module docstring)."""
+        import torch
+
         if self.bits == 16:
             return torch.int16 if self.signed else torch.int32
         return torch.int8 if self.signed else torch.uint8
 
     @property
     def qscheme(self) -> torch.qscheme:
+        import torch
+
         if isinstance(self.granularity, PerTensor):
             return torch.per_tensor_symmetric if self.symmetric else torch.per_tensor_affine
         return torch.per_channel_symmetric

@@ -1,129 +1,191 @@
-"""The ``npuq quantize`` workflow as one typed function: model → calibration tokens → artifact."""
+"""The quantize stage: one options record in, the artifact folder and one result record out.
+
+``npuq quantize`` and ``npuq run`` build the same :class:`QuantizeOptions`; it is checked once,
+on construction, before any model loads, and ``npuq run`` keys its quantize stage on the
+whole record.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from npuq.data.corpora import corpus_tokens
 from npuq.errors import NpuqError
+from npuq.fsio import folder_lock
 from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
+from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
+from npuq.runtime.context import ExecutionContext
+
+GRANULARITIES = ("channel", "layer")
 
 
-def plan_phase(calibration_mode: str) -> str:
-    """The thread-plan phase a calibration mode runs: whole contexts, or AR-1 decode steps."""
-    return "calibrate" if calibration_mode == "onepass" else "decode"
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """Everything that decides the artifact; each field is the ``npuq quantize`` flag of the same
+    name. Defaults that depend on other fields are filled in on construction (prefill length,
+    layer inputs, act-order), so two records that quantize alike are equal and hash alike."""
+
+    model: str = "smollm2-135m"
+    scheme: str | None = None  # replaces the recipe's default scheme
+    recipe: str | None = None  # built-in name or JSON file; None: the model's default
+    calib_corpus: str = "builtin"
+    calib_tokens: int = 4096
+    context: int = 512
+    calibration_mode: str = "onepass"
+    prefill_len: int | None = None  # None: default_prefill_len(context)
+    batch_size: int = 8  # windows per one-pass calibration forward
+    seq_mse: int | None = None  # candidate scales per weight; None: min/max scales
+    seq_mse_granularity: str = "channel"
+    weight_rounding: str = "nearest"
+    layer_inputs: str | None = None  # None: resolve_recovery's default when recovery is on
+    act_order: bool | None = None  # None: on with GPTQ
+
+    def __post_init__(self) -> None:
+        if self.calibration_mode not in CALIBRATION_MODES:
+            raise NpuqError(f"unknown --calibration-mode {self.calibration_mode!r}; choose one of "
+                            f"{', '.join(CALIBRATION_MODES)}")
+        if self.seq_mse_granularity not in GRANULARITIES:
+            raise NpuqError(f"--seq-mse-granularity {self.seq_mse_granularity!r}: choose one of {', '.join(GRANULARITIES)}")
+        if self.context < 2:
+            raise NpuqError(f"--context {self.context} is too small: a window needs at least 2 tokens")
+        if self.calib_tokens < self.context:
+            raise NpuqError(f"--calib-tokens {self.calib_tokens} is less than one window of --context {self.context}: "
+                            "raise it or lower the context")
+        if self.batch_size < 1:
+            raise NpuqError(f"--batch-size {self.batch_size} must be at least 1")
+        prefill_len = default_prefill_len(self.context) if self.prefill_len is None else self.prefill_len
+        if not 1 <= prefill_len < self.context:
+            raise NpuqError(f"--prefill-len {prefill_len} must be at least 1 and below --context {self.context}")
+        layer_inputs, act_order = resolve_recovery(self.seq_mse, self.weight_rounding, self.layer_inputs, self.act_order)
+        if not self.recovers:  # nothing fits layers: the two choices mean nothing
+            layer_inputs, act_order = None, None
+        object.__setattr__(self, "prefill_len", prefill_len)
+        object.__setattr__(self, "layer_inputs", layer_inputs)
+        object.__setattr__(self, "act_order", act_order)
+
+    @property
+    def recovers(self) -> bool:
+        """SeqMSE or GPTQ is on."""
+        return self.seq_mse is not None or self.weight_rounding != "nearest"
+
+    @property
+    def phase(self) -> str:
+        """The thread-plan phase calibration runs: whole contexts, or AR-1 decode steps."""
+        return "calibrate" if self.calibration_mode == "onepass" else "decode"
+
+    def recipe_text(self) -> str | None:
+        """A recipe file's content (what a stage key must hold, not its name); None for built-ins."""
+        if self.recipe and Path(self.recipe).is_file():
+            return Path(self.recipe).read_text(encoding="utf-8")
+        return None
 
 
-def calibration_thread_plan(model: Any, calibration_mode: str, context: int, num_threads: int,
-                            device: Any = None) -> Any:
-    """The ThreadPlan for calibration: ``num_threads`` if positive, else measured (or cached)
-    on the float workload of the phase (npuq.threads, docs/design.md §4); on a GPU ``device``
-    nothing is measured (:meth:`ThreadPlan.untuned`)."""
-    from npuq.device import is_cpu
-    from npuq.threads import ThreadPlan, plan_threads
-    from npuq.runtime.workloads import phase_workload
+@dataclass(frozen=True)
+class QuantizeResult:
+    artifact: str  # the folder written
+    scheme: str
+    recipe: str
+    recipe_summary: str  # which rule and scheme each layer got
+    calibration_mode: str
+    calibration_tokens: int
+    calibration_seconds: float
+    prepare_seconds: float
+    convert_seconds: float
+    total_seconds: float
+    threads: int  # during calibration
+    thread_plan: dict[str, Any]
+    device: str
+    context: int
+    prefill_len: int
+    batch_size: int  # windows per forward actually used (the memory guard may lower it)
+    replacement_characters: int  # non-UTF-8 byte sequences in the calibration text, read as U+FFFD
+    seq_mse: dict[str, Any] | None = None
+    weight_rounding: dict[str, Any] | None = None
+    layer_inputs: str | None = None
 
-    phase = plan_phase(calibration_mode)
-    if not is_cpu(device):
-        return ThreadPlan.untuned((phase,), num_threads)
-    plan, _ = plan_threads({phase: phase_workload(model, phase, context)}, num_threads)
-    return plan
+    def describe(self) -> str:
+        return (f"{self.artifact}: {self.scheme} ({self.recipe}), {self.calibration_mode} calibration on "
+                f"{self.calibration_tokens} tokens in {self.calibration_seconds:.1f} s (prepare "
+                f"{self.prepare_seconds:.1f} s, convert {self.convert_seconds:.1f} s, total {self.total_seconds:.1f} s, "
+                f"{self.threads} threads, {self.device})")
+
+
+def check_quantize(options: QuantizeOptions) -> Any:
+    """What can be checked without the model, beyond the record's own checks: the recipe (a
+    file is read) and the calibration corpus. Returns (recipe, calibration documents)."""
+    from npuq.data.corpora import load_corpus
+    from npuq.quant.recipe import load_recipe
+
+    recipe = load_recipe(options.recipe, options.scheme, options.model)
+    return recipe, load_corpus(options.calib_corpus, "calib")  # an empty or missing corpus fails here
 
 
 def quantize_to_artifact(
-    model: str,
-    out: str,
-    *,
-    scheme: str | None = None,
-    recipe: str | None = None,
-    corpus: str = "builtin",
-    calib_tokens: int = 4096,
-    context: int = 512,
-    calibration_mode: str = "onepass",
-    prefill_len: int | None = None,
-    batch_size: int = 8,
-    num_threads: int = 0,
-    force: bool = False,
-    progress: bool = True,
-    seq_mse: int | None = None,
-    seq_mse_granularity: str = "channel",
-    weight_rounding: str = "nearest",
-    device: str = "cpu",
-    layer_inputs: str | None = None,
-    act_order: bool | None = None,
-) -> tuple[dict[str, Any], str]:
-    """Quantize ``model`` and write the artifact; returns (JSON result, recipe summary).
+    options: QuantizeOptions, out: str | Path, ctx: ExecutionContext | None = None, *, force: bool = False
+) -> QuantizeResult:
+    """Quantize ``options.model`` and write the artifact folder ``out``.
 
-    ``seq_mse`` N searches N candidate weight scales per layer (npuq.optimize.seqmse);
-    ``weight_rounding`` "gptq" rounds with error compensation instead of to nearest;
-    ``layer_inputs`` "quantized" fits both to the partly quantized model's own layer inputs;
-    ``act_order`` makes GPTQ round the columns of largest input energy first (None for either:
-    the defaults of :func:`resolve_recovery`).
-    ``device`` (auto, cpu, cuda, cuda:N; :func:`npuq.device.resolve_device`) runs the Gram
-    collection, the search and the calibration forwards; the artifact holds CPU tensors.
+    ``ctx`` (default: the CPU, automatic threads) says where the Gram collection, the SeqMSE/GPTQ
+    search and the calibration forwards run and at how many threads; the artifact always holds
+    CPU tensors.
     """
-    from npuq.device import resolve_device
+    with folder_lock(out, "npuq quantize"):  # one writer per folder
+        return _quantize(options, out, ctx or ExecutionContext.create("cpu"), force)
+
+
+def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force: bool) -> QuantizeResult:
+    from npuq.data.corpora import replaced_characters
     from npuq.models import load_model
     from npuq.quantize.artifact import check_destination, save_artifact, weights_sha256
-    from npuq.quantize.pt2e import CALIBRATION_MODES, quantize_model
-    from npuq.quant.recipe import load_recipe
 
     start = time.perf_counter()
-    target = resolve_device(device)  # before any work: a missing GPU is a one-line error
-    if calibration_mode not in CALIBRATION_MODES:
-        raise NpuqError(f"unknown --calibration-mode {calibration_mode!r}; choose one of {', '.join(CALIBRATION_MODES)}")
     check_destination(out, force)  # cheap checks first: the model takes seconds to load
-    resolve_recovery(seq_mse, weight_rounding, layer_inputs, act_order)
-    chosen = load_recipe(recipe, scheme, model)
-    if calib_tokens < context:
-        raise NpuqError(f"--calib-tokens {calib_tokens} is less than one window of --context {context}: raise it or lower the context")
-    if prefill_len is not None and not 1 <= prefill_len < context:
-        raise NpuqError(f"--prefill-len {prefill_len} must be at least 1 and below --context {context}")
-    from npuq.data.corpora import load_corpus, replaced_characters
-
-    documents = load_corpus(corpus, "calib")  # an empty or missing corpus fails before the model loads
-    loaded = load_model(model, max_context=context if context > 4096 else None)
-    if context > loaded.config.max_position_embeddings:
-        raise NpuqError(f"--context {context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
-    tokens = corpus_tokens(loaded.tokenizer, documents, calib_tokens)
-    plan = calibration_thread_plan(loaded.model, calibration_mode, context, num_threads, target)
+    recipe, documents = check_quantize(o)
+    loaded = load_model(o.model, max_context=o.context if o.context > 4096 else None)
+    if o.context > loaded.config.max_position_embeddings:
+        raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
+    tokens = corpus_tokens(loaded.tokenizer, documents, o.calib_tokens)
+    plan = ctx.plan_model(loaded.model, (o.phase,), o.context, batch=o.batch_size)
     weight_scales, optimized = None, None
-    if seq_mse is not None or weight_rounding != "nearest":
+    if o.recovers:
         from npuq.calibrate.split import split_windows
 
-        with plan.scope(plan_phase(calibration_mode)):
+        with ctx.scope(o.phase):
             weight_scales, optimized = optimize_for_recipe(
-                loaded.model, chosen, split_windows(tokens, context), seq_mse=seq_mse,
-                granularity=seq_mse_granularity, rounding=weight_rounding, progress=progress, device=target,
-                inputs=layer_inputs, act_order=act_order,
+                loaded.model, recipe, split_windows(tokens, o.context), seq_mse=o.seq_mse,
+                granularity=o.seq_mse_granularity, rounding=o.weight_rounding, progress=ctx.progress,
+                device=ctx.device, inputs=o.layer_inputs, act_order=o.act_order,
             )
     qm = quantize_model(
-        loaded.model, chosen, tokens, context=context, mode=calibration_mode, prefill_len=prefill_len,
-        batch_size=batch_size, num_threads=plan.threads[plan_phase(calibration_mode)], progress=progress,
-        weight_scales=weight_scales, device=target,
+        loaded.model, recipe, tokens, context=o.context, mode=o.calibration_mode, prefill_len=o.prefill_len,
+        batch_size=o.batch_size, num_threads=ctx.threads(o.phase), progress=ctx.progress,
+        weight_scales=weight_scales, device=ctx.device,
     )
+    replaced = replaced_characters(documents)
     extra = {
-        "model": {"name": model, "source": loaded.source, "weights_sha256": weights_sha256(loaded.model)},
-        "calibration": {"corpus": corpus, "split": "calib", "tokens_requested": calib_tokens,
-                        "tokens": qm.stats["calibration_tokens"], "mode": calibration_mode,
-                        "batch_size": batch_size, "batch_size_used": qm.stats["batch_size"],
-                        "replacement_characters": replaced_characters(documents),
-                        "num_threads": num_threads, "thread_plan": plan.to_dict(),
-                        "device": str(target)},
+        "model": {"name": o.model, "source": loaded.source, "weights_sha256": weights_sha256(loaded.model)},
+        "calibration": {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
+                        "tokens": qm.stats["calibration_tokens"], "mode": o.calibration_mode,
+                        "batch_size": o.batch_size, "batch_size_used": qm.stats["batch_size"],
+                        "replacement_characters": replaced,
+                        "num_threads": ctx.requested, "thread_plan": plan.to_dict(),
+                        "device": str(ctx.device)},
         "optimize": optimized,
     }
     path = save_artifact(qm, out, force=force, extra_config=extra)
-    result = {
-        key: qm.stats[key]
-        for key in ("scheme", "calibration_mode", "calibration_tokens", "calibration_seconds", "prepare_seconds",
-                    "convert_seconds")
-    }
-    result.update(total_seconds=time.perf_counter() - start, threads=qm.stats["threads"], thread_plan=plan.to_dict(),
-                  artifact=str(path), device=str(target),
-                  recipe=chosen.name, context=context, prefill_len=qm.prefill_len,
-                  batch_size=qm.stats["batch_size"], replacement_characters=extra["calibration"]["replacement_characters"])
-    if optimized is not None:
-        result.update(seq_mse=optimized["seq_mse"], weight_rounding=optimized["weight_rounding"],
-                      layer_inputs=optimized["layer_inputs"])
-    return result, qm.plan.summary() if qm.plan is not None else ""
+    s = qm.stats
+    return QuantizeResult(
+        artifact=str(path), scheme=s["scheme"], recipe=recipe.name,
+        recipe_summary=qm.plan.summary() if qm.plan is not None else "",
+        calibration_mode=s["calibration_mode"], calibration_tokens=s["calibration_tokens"],
+        calibration_seconds=s["calibration_seconds"], prepare_seconds=s["prepare_seconds"],
+        convert_seconds=s["convert_seconds"], total_seconds=time.perf_counter() - start, threads=s["threads"],
+        thread_plan=plan.to_dict(), device=str(ctx.device), context=o.context, prefill_len=qm.prefill_len,
+        batch_size=s["batch_size"], replacement_characters=replaced,
+        seq_mse=optimized["seq_mse"] if optimized else None,
+        weight_rounding=optimized["weight_rounding"] if optimized else None,
+        layer_inputs=optimized["layer_inputs"] if optimized else None,
+    )

@@ -9,10 +9,10 @@ from __future__ import annotations
 import datetime
 import re
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from npuq.records import to_json
 from npuq.report.html import Figure, Section, Table, figure_png, render
 
 WORST = 5
@@ -78,35 +78,36 @@ def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
 
     res, out = job.results, job.out
     artifact = read_artifact(job.folders["quantize"] / "artifact")
-    q = res["quantize"]
+    q, export = res["quantize"], res["export"]
     ppl = {"float": res["eval-float"], "quantized": res["eval-quantized"], "exported": res["eval-exported"]}
     layer_list = res["layers"]["layers"]
     worst_layers = [e.to_dict() for e in worst([LayerError(**r) for r in layer_list], WORST)]
     calibration = {
-        "mode": q["calibration_mode"], "tokens": q["calibration_tokens"], "threads": q["threads"],
-        "prepare_seconds": q["prepare_seconds"], "calibration_seconds": q["calibration_seconds"],
-        "convert_seconds": q["convert_seconds"],
-        "seq_mse_seconds": (q.get("seq_mse") or {}).get("seconds") or 0.0,
-        "weight_rounding_seconds": (q.get("weight_rounding") or {}).get("seconds") or 0.0,
-        "total_seconds": q["total_seconds"],
+        "mode": q.calibration_mode, "tokens": q.calibration_tokens, "threads": q.threads,
+        "prepare_seconds": q.prepare_seconds, "calibration_seconds": q.calibration_seconds,
+        "convert_seconds": q.convert_seconds,
+        "seq_mse_seconds": (q.seq_mse or {}).get("seconds") or 0.0,
+        "weight_rounding_seconds": (q.weight_rounding or {}).get("seconds") or 0.0,
+        "total_seconds": q.total_seconds,
     }
     calibration["other_seconds"] = calibration["total_seconds"] - sum(
         v for k, v in calibration.items() if k.endswith("_seconds") and k != "total_seconds")
-    export = res["export"]
     report = {
         "npuq_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "options": asdict(job.options),
+        "options": to_json(job.options),
+        "execution": job.ctx.describe(),
         "model": res["model"],
-        "scheme": q["scheme"],
-        "recipe": {"name": q["recipe"], "plan": artifact.get("recipe_plan") or [], "summary": q["recipe_summary"]},
-        "threads": res["threads"],
+        "scheme": q.scheme,
+        "recipe": {"name": q.recipe, "plan": artifact.get("recipe_plan") or [], "summary": q.recipe_summary},
+        "threads": to_json(res["threads"]),
         "calibration": calibration,
         "layers": {"tokens": res["layers"]["tokens"], "layers": layer_list, "worst": worst_layers},
-        "perplexity": {k: {f: v[f] for f in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens",
-                                             "words", "bytes", "documents", "context", "seconds")}
+        "perplexity": {k: {f: getattr(v, f) for f in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens",
+                                                      "words", "bytes", "documents", "context", "seconds")}
                        for k, v in ppl.items()},
-        "export": {k: export[k] for k in ("qnn_version", "qnn_version_source", "htp_arch", "embedding_pattern", "files")},
+        "export": {k: getattr(export, k) for k in ("qnn_version", "qnn_version_source", "htp_arch", "soc",
+                                                   "embedding_pattern", "files")},
         "generations": res["generate"]["generations"],
         "files": {name: sorted(str(p.relative_to(out)) for p in (out / name).rglob("*") if p.is_file())
                   for name in ("artifact", "onnx")},
@@ -129,7 +130,7 @@ def render_html(report: dict[str, Any]) -> str:
         f"with recipe {report['recipe']['name']}: word perplexity {ppl['float']['word_perplexity']:.2f} (float) → "
         f"{ppl['quantized']['word_perplexity']:.2f} (quantized, {ratio:.3f}x) → "
         f"{ppl['exported']['word_perplexity']:.2f} (exported QDQ ONNX on ONNX Runtime).",
-        f"Exported for {qnn}, HTP arch {exp['htp_arch'] or 'unknown'}, embedding pattern {exp['embedding_pattern']}. "
+        f"Exported for {qnn}, HTP arch {_arch(exp)}, embedding pattern {exp['embedding_pattern']}. "
         f"Deployable files: onnx/ ({', '.join(Path(f).name for f in report['files']['onnx'])}); the quantized "
         f"programs and encodings: artifact/.",
         f"Run time {report['seconds']:.1f} s; stages reused from an earlier run: "
@@ -177,7 +178,7 @@ def render_html(report: dict[str, Any]) -> str:
                for s in sweeps]),
     ])
     export = Section("Export", [Table(["", ""], [
-        ["QNN SDK", qnn], ["HTP arch", exp["htp_arch"] or "unknown"], ["embedding pattern", exp["embedding_pattern"]],
+        ["QNN SDK", qnn], ["HTP arch", _arch(exp)], ["embedding pattern", exp["embedding_pattern"]],
         *[[k, v] for k, v in exp["files"].items()]])])
     stages = Section("Stages", [Table(["stage", "key", "reused", "seconds"],
                                       [[s["stage"], s["key"], s["cached"], s["seconds"]] for s in report["stages"]])])
@@ -185,3 +186,10 @@ def render_html(report: dict[str, Any]) -> str:
     subtitle = f"npuq {report['npuq_version']}, {report['created']}"
     return render(title, subtitle, [summary, perplexity, generations, layers, model, recipe, calibration, threads,
                                     export, stages])
+
+
+def _arch(export: dict[str, Any]) -> str:
+    """v75 (SM8650), v73, or unknown."""
+    if not export.get("htp_arch"):
+        return "unknown"
+    return f"v{export['htp_arch']}" + (f" ({export['soc']})" if export.get("soc") else "")

@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from npuq.device import is_cpu
 from npuq.errors import NpuqError
+from npuq.runtime.context import ExecutionContext
 from npuq.runtime.runner import StaticRunner
-from npuq.threads import ThreadPlan, plan_threads
-from npuq.runtime.workloads import phase_workloads
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    text: str  # the continuation only
+    token_ids: tuple[int, ...]  # generated tokens
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    tokens_per_second: float  # decode steps per second
+    threads: int  # of the decode phase
+    thread_plan: dict[str, Any]  # phase → threads and their source
+    device: str
+
+    def describe(self) -> str:
+        return (f"{len(self.token_ids)} tokens, prefill {self.prefill_seconds:.2f} s, {self.tokens_per_second:.1f} "
+                f"tokens/s decode, {self.threads} threads, {self.device}")
 
 
 def generate(
@@ -20,23 +34,16 @@ def generate(
     max_new_tokens: int = 32,
     context: int = 512,
     prefill_len: int = 32,
-    num_threads: int = 0,
     graphs: dict[int, Any] | None = None,
-    device: str | torch.device = "cpu",
-) -> dict[str, Any]:
+    ctx: ExecutionContext | None = None,
+) -> GenerateResult:
     """Greedy continuation of ``prompt``; stops at EOS or after ``max_new_tokens``.
 
     ``graphs`` (ar_len → callable, e.g. quantized programs or ONNX sessions built for exactly
-    ``context``) replace the float model; their thread plan is tuned on the float model's
-    workloads of the same shapes.
-
-    Result: text, token_ids (generated only), prefill_seconds, decode_seconds,
-    tokens_per_second (decode steps per second), threads (of decode), thread_plan (per phase:
-    threads and source), device. ``num_threads`` > 0 runs both phases with that many; 0 tunes
-    them on the CPU and keeps torch's count elsewhere.
-
-    ``device``: where the runner keeps its cache and inputs; without ``graphs`` the float model
-    moves there in place, given ``graphs`` must already be there.
+    ``context``) replace the float model; threads are planned on the float model's workloads
+    of the same shapes. ``ctx`` (default: the CPU, automatic threads): the device where the
+    runner keeps its cache and inputs (without ``graphs`` the float model moves there in
+    place; given ``graphs`` must already be there) and the prefill and decode thread counts.
     """
     cfg, model = loaded.config, loaded.model
     if context > model.max_context:
@@ -52,37 +59,29 @@ def generate(
             f"the prompt has {len(prompt_ids)} tokens; with {max_new_tokens} new tokens that exceeds the "
             f"context of {context}: raise --context or shorten the prompt / --max-new-tokens"
         )
+    ctx = ctx or ExecutionContext.create("cpu")
     if graphs is None:
-        graphs = {1: model.to(device), prefill_len: model}
+        graphs = {1: model.to(ctx.device), prefill_len: model}
     prefill_len = max(graphs)
-    runner = StaticRunner(cfg, graphs, context, device=device)
+    runner = StaticRunner(cfg, graphs, context, device=ctx.device)
     eos = cfg.eos_token_id
-    if is_cpu(device):
-        # num_threads 0: each phase's count is tuned once per host and cached (npuq.threads).
-        plan, _ = plan_threads(phase_workloads(model, ("prefill", "decode"), context, prefill_len), num_threads)
-    else:  # the GPU does the work: no CPU tuning, and the float model may not be on the CPU to time
-        plan = ThreadPlan.untuned(("prefill", "decode"), num_threads)
+    plan = ctx.plan_model(model, ("prefill", "decode"), context, prefill_len)
 
     start = time.perf_counter()
-    with plan.scope("prefill"):
+    with ctx.scope("prefill"):
         logits = runner.feed(prompt_ids)
     prefill_seconds = time.perf_counter() - start
     generated = [int(logits[0, -1].argmax())]
     start = time.perf_counter()
-    with plan.scope("decode"):
+    with ctx.scope("decode"):
         while len(generated) < max_new_tokens and generated[-1] != eos:
             logits = runner.feed([generated[-1]])
             generated.append(int(logits[0, -1].argmax()))
     decode_seconds = time.perf_counter() - start
     steps = len(generated) - 1
-    return {
-        "text": tokenizer.decode(generated, skip_special_tokens=True),
-        "token_ids": generated,
-        "prompt_tokens": len(prompt_ids),
-        "prefill_seconds": prefill_seconds,
-        "decode_seconds": decode_seconds,
-        "tokens_per_second": steps / decode_seconds if steps and decode_seconds > 0 else 0.0,
-        "threads": plan.threads["decode"],
-        "thread_plan": plan.to_dict(),
-        "device": str(runner.device),
-    }
+    return GenerateResult(
+        text=tokenizer.decode(generated, skip_special_tokens=True), token_ids=tuple(generated),
+        prompt_tokens=len(prompt_ids), prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
+        tokens_per_second=steps / decode_seconds if steps and decode_seconds > 0 else 0.0,
+        threads=plan.threads["decode"], thread_plan=plan.to_dict(), device=str(runner.device),
+    )

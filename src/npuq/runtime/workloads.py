@@ -49,7 +49,3 @@ def phase_workload(model: torch.nn.Module, phase: str, context: int = 512, ar_le
     signature = f"{cfg.arch}-{model_fingerprint(cfg)}|{phase}|context={context}|ar_len={steps}|batch={batch}|{dtype}"
     return Workload(run, signature, tokens_per_step=steps * batch)
 
-
-def phase_workloads(model: torch.nn.Module, phases: Any = PHASES, context: int = 512,
-                    prefill_len: int | None = None) -> dict[str, Workload]:
-    return {p: phase_workload(model, p, context, prefill_len if p == "prefill" else None) for p in phases}
