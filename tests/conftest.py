@@ -1,6 +1,7 @@
 """Suite-wide setup: npuq's cache (GGUF metadata, thread tuning) goes to a fresh temporary folder;
-Ctrl-C reaches the suite and its child processes as in a terminal; the tiny artifact and export
-folders the reader tests start from."""
+Ctrl-C reaches the suite and its child processes as in a terminal; torch runs on one intra-op
+thread and every test starts from its global RNG seeded 0; the tiny artifact and export folders
+the reader tests start from."""
 
 import os
 import signal
@@ -14,6 +15,49 @@ os.environ["NPUQ_CACHE_DIR"] = tempfile.mkdtemp(prefix="npuq-test-cache-")
 # Ctrl-C that never arrives. A handler (unlike "ignored") is reset to the default in children.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "own_threads: the test runs at torch's default thread count and with its global RNG as "
+        "it finds it (not the suite's 1 thread and seed 0), and must fix both itself")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """One intra-op thread for the whole session, session fixtures included (autouse fixtures
+    are set up first in their scope): torch splits its reductions by thread count, so float
+    results would otherwise depend on the machine's core count. Yields torch's default count,
+    restored at the end."""
+    import torch
+
+    default = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield default
+    torch.set_num_threads(default)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_torch(request, _one_torch_thread):
+    """Each test: torch's global RNG seeded 0 (its state before the test restored after it, so
+    tests do not depend on which ran before), and the thread count back to 1 whatever the test
+    left. A test marked ``own_threads`` gets torch's default count and the RNG untouched."""
+    import torch
+
+    if request.node.get_closest_marker("own_threads"):
+        torch.set_num_threads(_one_torch_thread)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(1)
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
