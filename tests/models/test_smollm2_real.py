@@ -57,3 +57,19 @@ def test_logits_match_transformers(loaded, hf_model):
         ref = hf_model(ids).logits
     ours = forward_logits(loaded.model, ids)
     assert (ours - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
+
+
+def test_the_cached_load_is_bit_identical_to_the_conversion(loaded, monkeypatch):
+    """The ``loaded`` fixture filled the GGUF cache; a load from it equals a fresh conversion."""
+    from npuq.models import gguf_cache, load_model
+
+    monkeypatch.setenv(gguf_cache.DISABLE_VARIABLE, "1")
+    converted = load_model("smollm2-135m")
+    monkeypatch.delenv(gguf_cache.DISABLE_VARIABLE)
+    cached = load_model("smollm2-135m")
+    assert isinstance(cached.hf_config, gguf_cache.CachedHFConfig)
+    assert cached.config == converted.config and cached.info() == converted.info()
+    a, b = converted.model.state_dict(), cached.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert cached.tokenizer(PROMPT)["input_ids"] == converted.tokenizer(PROMPT)["input_ids"]
+    assert cached.hf_config.eos_token_id == converted.hf_config.eos_token_id

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from npuq.errors import ModelLoadError
+from npuq.errors import ModelLoadError, NpuqError
+from npuq.models import gguf_cache
 from npuq.models.config import ModelConfig, config_from_hf
 from npuq.models.decoder import StaticDecoder, rope_tables
-from npuq.models.sources import BUILTINS, read_gguf, read_hf_folder, resolve
+from npuq.models.sources import (BUILTINS, gguf_tokenizer, hf_tokenizer, read_gguf, read_hf_folder, read_safetensors,
+                                 resolve)
 
 __all__ = ["BUILTINS", "LoadedModel", "ModelConfig", "StaticDecoder", "load_model", "build_decoder"]
 
@@ -23,7 +26,7 @@ class LoadedModel:
     name: str  # what the user passed
     source: str  # the file or folder read
     config: ModelConfig
-    hf_config: Any  # transformers PretrainedConfig, for tokenizer/generation defaults
+    hf_config: Any  # transformers PretrainedConfig (from the GGUF cache: one that loads on first use)
     model: StaticDecoder
     _tokenizer_factory: Any
 
@@ -79,31 +82,109 @@ def undo_norm_offset(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict
     return {k: (v + cfg.norm_weight_offset if k.endswith("norm.weight") else v) for k, v in tensors.items()}
 
 
-def build_decoder(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str, max_context: int | None = None) -> StaticDecoder:
-    """A StaticDecoder with checked weights; RoPE tables cover ``max_context`` positions."""
+def build_decoder(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str, max_context: int | None = None,
+                  own: bool = False) -> StaticDecoder:
+    """A StaticDecoder with checked weights; RoPE tables cover ``max_context`` positions.
+
+    ``own``: the tensors are the caller's to give away and become the parameters without a copy
+    (no second copy of the weights in memory); otherwise they are copied and the caller's stay untouched.
+    """
     max_context = max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     with torch.device("meta"):  # skip random initialisation: every parameter is overwritten
         model = StaticDecoder(cfg, max_context)
     tensors = model.check_weights(tensors, source)  # before allocating what the config claims
-    model = model.to_empty(device="cpu")
-    # to_empty leaves the (non-checkpoint) RoPE tables uninitialised: compute them again.
+    if own:
+        model.adopt_weights(tensors)
+    else:
+        model = model.to_empty(device="cpu")
+        model.load_weights(tensors, source, checked=True)
+    # RoPE tables are no checkpoint tensors (and to_empty left them uninitialised): computed here.
     model.rope_cos, model.rope_sin = rope_tables(cfg.rope, cfg.head_dim, max_context)
     if cfg.local_rope is not None:
         model.local_rope_cos, model.local_rope_sin = rope_tables(cfg.local_rope, cfg.head_dim, max_context)
-    model.load_weights(tensors, source)
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise AssertionError(f"build_decoder left {', '.join(left)} on the meta device")
     return model.eval()
 
 
 def load_model(spec: str, max_context: int | None = None) -> LoadedModel:
-    """Load ``spec`` (built-in name, Hugging Face folder or .gguf file) as a float32 StaticDecoder."""
+    """Load ``spec`` (built-in name, Hugging Face folder or .gguf file) as a float32 StaticDecoder.
+
+    A GGUF is converted once; later loads read the conversion from the user cache
+    (:mod:`npuq.models.gguf_cache`) through the same checks as a Hugging Face folder.
+    """
     kind, path = resolve(spec)
-    hf_config, tensors, tokenizer = read_gguf(path) if kind == "gguf" else read_hf_folder(path)
-    cfg = config_from_hf(hf_config)
+    if kind == "gguf":
+        return _load_gguf(spec, path, max_context)
+    hf_config, tensors, tokenizer = read_hf_folder(path)
+    cfg = _model_config(hf_config, max_context)
+    model = build_decoder(cfg, undo_norm_offset(cfg, tensors), str(path), max_context)
+    return LoadedModel(spec, str(path), cfg, hf_config, model, tokenizer)
+
+
+def _model_config(hf_config: Any, max_context: int | None) -> ModelConfig:
+    return _check_context(config_from_hf(hf_config), max_context)
+
+
+def _check_context(cfg: ModelConfig, max_context: int | None) -> ModelConfig:
     if max_context is not None and max_context > max(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT):
         # refused before RoPE tables that long are allocated (--context 10**12 would ask for terabytes)
         raise ModelLoadError(f"--context {max_context} exceeds the model's limit of {cfg.max_position_embeddings} "
                              f"tokens (max_position_embeddings): use at most {cfg.max_position_embeddings}")
-    if kind == "hf":
-        tensors = undo_norm_offset(cfg, tensors)
-    model = build_decoder(cfg, tensors, str(path), max_context)
+    return cfg
+
+
+def _load_gguf(spec: str, path: Path, max_context: int | None) -> LoadedModel:
+    entry = gguf_cache.entry_for(path)
+    if entry is not None:
+        loaded = _load_cached(spec, path, entry, max_context)
+        if loaded is not None:
+            return loaded
+    hf_config, tensors, tokenizer = read_gguf(path)
+    cfg = _model_config(hf_config, max_context)
+    # GGUF norms need no offset (llama.cpp added it); the decoded tensors are ours to give away.
+    model = build_decoder(cfg, tensors, str(path), max_context, own=True)
+    if entry is not None:
+        entry.store(hf_config, tokenizer(), tensors, cfg)  # only a conversion that passed every check
     return LoadedModel(spec, str(path), cfg, hf_config, model, tokenizer)
+
+
+def _load_cached(spec: str, path: Path, entry: gguf_cache.Entry, max_context: int | None) -> LoadedModel | None:
+    """The model from ``entry``, with every tensor checked for name, shape and finiteness as from
+    any checkpoint; None, after removing the entry, when it is absent or fails any check."""
+    problem = entry.check()
+    if problem is not None:
+        reason, warn = problem
+        if reason != "absent":
+            entry.discard(reason, warn)
+        return None
+    try:
+        cfg = entry.model_config()
+    except Exception as exc:  # whatever is wrong with a cache entry, the GGUF is still there
+        entry.discard(_reason(exc))
+        return None
+    _check_context(cfg, max_context)  # a --context beyond the model's limit is the user's error
+    try:
+        # memory-mapped copy-on-write from a file only npuq writes (atomically): ours to give away
+        model = build_decoder(cfg, read_safetensors([entry.weights]), str(entry.folder), max_context, own=True)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        entry.discard(_reason(exc))
+        return None
+    entry.remember()
+    cached_tokenizer = hf_tokenizer(entry.folder)
+
+    def tokenizer() -> Any:
+        try:
+            return cached_tokenizer()
+        except ModelLoadError as exc:  # damaged after the load's checks: the GGUF still has it
+            entry.discard(str(exc))
+            return gguf_tokenizer(path)
+
+    return LoadedModel(spec, str(path), cfg, gguf_cache.CachedHFConfig(entry.folder), model, tokenizer)
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, NpuqError) else f"{type(exc).__name__}: {exc}"

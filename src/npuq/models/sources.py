@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -94,9 +93,6 @@ def resolve(spec: str) -> tuple[str, Path]:
 
 # --------------------------------------------------------------------------- Hugging Face folder
 def read_hf_folder(folder: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], Any]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import safe_open
-
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{folder}: no config.json; a Hugging Face model folder needs config.json + *.safetensors")
@@ -125,6 +121,15 @@ def read_hf_folder(folder: Path) -> tuple[Any, dict[str, torch.Tensor], Callable
             if pickled else "add the model's *.safetensors files"
         )
         raise ModelLoadError(f"{folder}: no *.safetensors weights ({hint})")
+    return hf_config, read_safetensors(files), hf_tokenizer(folder)
+
+
+def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of ``files`` as float32 under our names; memory-mapped (copy-on-write) where
+    the file already holds float32, so reading costs no memory until a tensor is used."""
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -133,6 +138,11 @@ def read_hf_folder(folder: Path) -> tuple[Any, dict[str, torch.Tensor], Callable
                     tensors[_hf_name(key)] = f.get_tensor(key).float()
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ModelLoadError(f"{file}: unreadable safetensors file (truncated or corrupt?): {exc}") from None
+    return tensors
+
+
+def hf_tokenizer(folder: Path) -> Callable[[], Any]:
+    """Loads the tokenizer saved in ``folder`` when called."""
 
     def tokenizer():
         from transformers import AutoTokenizer
@@ -142,7 +152,7 @@ def read_hf_folder(folder: Path) -> tuple[Any, dict[str, torch.Tensor], Callable
         except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
             raise ModelLoadError(f"{folder}: cannot load the tokenizer ({exc}); add tokenizer.json") from None
 
-    return hf_config, tensors, tokenizer
+    return tokenizer
 
 
 def _hf_name(key: str) -> str:
@@ -198,7 +208,7 @@ def read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], An
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on bad bytes
         raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {exc}") from None
-    hf_config, tokenizer = _gguf_config_and_tokenizer(path, _metadata_digest(path, reader.data_offset))
+    hf_config, tokenizer = _gguf_config_and_tokenizer(path)
     model_type = getattr(hf_config, "model_type", None)
     arch = SUPPORTED_MODEL_TYPES.get(model_type)
     if arch is None:
@@ -223,39 +233,11 @@ def read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], An
     return hf_config, tensors, tokenizer
 
 
-def _metadata_digest(path: Path, data_offset: int) -> str:
-    """sha256 of everything before the tensor data: the header and all metadata (config, tokenizer)."""
-    import hashlib
+def _gguf_config_and_tokenizer(path: Path) -> tuple[Any, Callable[[], Any]]:
+    """transformers' config and tokenizer for a GGUF file (the tokenizer is built now, while the
+    metadata is at hand; ~10 s for a real model: :mod:`npuq.models.gguf_cache` keeps the result)."""
+    from transformers import AutoConfig
 
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        remaining = data_offset
-        while remaining > 0:
-            block = f.read(min(remaining, 1 << 20))
-            if not block:
-                break
-            digest.update(block)
-            remaining -= len(block)
-    return digest.hexdigest()[:24]
-
-
-def _gguf_config_and_tokenizer(path: Path, digest: str) -> tuple[Any, Callable[[], Any]]:
-    """transformers' config and tokenizer for a GGUF file, cached as a plain HF folder.
-
-    Converting the GGUF metadata takes ~10 s per load; the cache entry is keyed by the digest of
-    the metadata bytes (so an edited file never hits a stale entry) and written atomically.
-    """
-    from transformers import AutoConfig, AutoTokenizer
-
-    from npuq.fsio import atomic_dir, user_cache_dir
-
-    cached = user_cache_dir() / "gguf" / digest
-    if (cached / "config.json").is_file():
-        try:
-            hf_config = AutoConfig.from_pretrained(cached, local_files_only=True)
-            return hf_config, lambda: AutoTokenizer.from_pretrained(cached, local_files_only=True)
-        except Exception:  # a damaged cache entry is rebuilt below
-            shutil.rmtree(cached, ignore_errors=True)
     # transformers parses untrusted metadata here and may raise anything on a damaged file.
     try:
         hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
@@ -265,17 +247,18 @@ def _gguf_config_and_tokenizer(path: Path, digest: str) -> tuple[Any, Callable[[
         raise ModelLoadError(f"{path}: the GGUF metadata cannot be read as a model config ({type(exc).__name__}: {exc})") from None
     if getattr(hf_config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return hf_config, lambda: None  # the caller reports the unsupported architecture
+    tokenizer = gguf_tokenizer(path)
+    return hf_config, lambda: tokenizer
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer transformers builds from a GGUF file's metadata."""
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     except Exception as exc:
         raise ModelLoadError(
             f"{path}: the tokenizer cannot be built from the GGUF metadata ({type(exc).__name__}: {exc}); "
             "re-convert the model with a current llama.cpp"
         ) from None
-    try:
-        with atomic_dir(cached) as tmp:
-            hf_config.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-    except OSError:  # a read-only or full cache folder only costs time
-        pass
-    return hf_config, lambda: tokenizer
