@@ -1,0 +1,305 @@
+"""Rotations folded into the weights (QuaRot / SpinQuant style, no training): 4-bit weights
+whose input channels carry no outliers.
+
+References: S. Ashkboos et al., "QuaRot: Outlier-Free 4-Bit Inference in Rotated LLMs"
+(NeurIPS 2024, arXiv:2404.00456); Z. Liu et al., "SpinQuant: LLM Quantization with Learned
+Rotations" (ICLR 2025, arXiv:2405.16406). npuq folds only the rotations that need no extra op
+in the graph, R1 and R2 in SpinQuant's names, with random (not learned) matrices; the online
+Hadamards (QuaRot's on the down projection input and on Q/K, SpinQuant's R3/R4) would add ops
+to the static graph and are not done.
+
+**R1, the residual stream.** The residual stream h (a row vector of hidden size n) is carried
+as h·R1 for one orthogonal R1 of the whole model:
+
+- embedding table E → E·R1 (rows; Gemma's sqrt(hidden) scaling is a scalar and commutes);
+- every pre-norm (``input_layernorm`` → q/k/v, ``post_attention_layernorm`` → gate/up in
+  Llama-style blocks, Gemma's ``pre_feedforward_layernorm`` → gate/up, the final ``norm`` →
+  lm head): its gamma g is first folded into the input side of the linears that read it,
+  W → W·diag(g), and set to ones; then those linears' input side is rotated, W → W·diag(g)·R1;
+- the linears that write the residual (``o_proj``, ``down_proj``) rotate their output side,
+  W → R1ᵀ·W, and their bias b → R1ᵀ·b (``o_bias`` models);
+- q/k/v outputs are not rotated by R1, so Qwen2's q/k/v biases stay as they are.
+
+Why this is exact. RMSNorm(x) = x / sqrt(mean(x²) + eps) ⊙ g. For an orthogonal Q over the
+*full* vector that is normalised, ‖xQ‖ = ‖x‖, so mean((xQ)²) = mean(x²) (eps sits inside the
+same square root and does not change), hence RMSNorm_{g=1}(xQ) = RMSNorm_{g=1}(x)·Q. With a
+gamma, (xQ / r) ⊙ g = (x / r ⊙ g)·Q for every x only if diag(g) commutes with Q; for a dense Q
+(every entry of a normalised Hadamard matrix is ±1/√n) that means g is a constant vector. So
+a norm is rotation-invariant exactly when (1) it normalises over the whole hidden dimension
+that Q rotates (never a per-head norm), and (2) its gamma is all-equal — which is made true by
+folding gamma into the next linear layers, possible only when every reader of the norm's
+output is a linear layer (a pre-norm). The residual adds are linear and commute with Q.
+Gemma's "(1 + w)" gamma is no special case here: npuq's loader already added the 1
+(``undo_norm_offset`` in ``npuq.models``), so the decoder's RMSNorm weight is the real gamma
+and folding it sets the stored weight to ones.
+
+**Gemma 3 (sandwich norms).** ``post_attention_layernorm`` and ``post_feedforward_layernorm``
+read the block *output* (o_proj / down_proj) and feed the residual add directly, with no linear
+layer after them to take a folded gamma or to apply R1. With the residual rotated their input
+is rotated too, and by the condition above the result is exact only if each post-norm's gamma
+is all-equal. Real Gemma checkpoints never have that, so :func:`rotate_model` then skips R1 for
+the whole model (it cannot be applied to only some layers: the residual has one basis) and says
+so in the report; R2 still applies. If every post-norm gamma is all-equal, R1 is applied and is
+exact (the tests check both cases).
+
+**R2, per head between v and o.** The value head vectors (head_dim D) are carried as v·R2 for
+one orthogonal D×D R2 per layer: ``v_proj``'s output side per KV head, W_kv → R2ᵀ·W_kv, its
+bias b_kv → R2ᵀ·b_kv (Qwen2); ``o_proj``'s input side per query head, W_h → W_h·R2 (query heads
+sharing a KV head, GQA, see the same R2). Exact because between v and o there is only
+attention's weighted sum over tokens (and the cache concat), which acts on the token axis and
+commutes with a right multiplication on the head axis; no norm touches v (Qwen3's and Gemma's
+per-head norms are on q and k only). R2 never touches q/k: their per-head norms (Qwen3, Gemma)
+and RoPE do not commute with an arbitrary rotation. The V cache holds rotated values; prefill
+and decode write and read it in the same basis.
+
+**Tied embeddings.** After folding the final norm's gamma, the lm head (E·diag(g)·R1) differs
+from the rotated table (E·R1), so the model is untied: npuq's decoder always holds the lm head
+as its own parameter (docs/design.md §2; a shared Parameter would be split here), and
+``model.config.tie_word_embeddings`` becomes False so that an artifact's recorded config says
+what its weights are.
+
+**The matrices.** A randomised Hadamard matrix R = diag(s)·H/√n, s random ±1 from ``seed``
+(x·R = (x ⊙ s)·H: the signs mix before H, as in QuaRot).
+Hidden sizes of real models are rarely powers of two (576 = 9·64, 640, 896 = 7·128, 1152,
+1536), so H is a Kronecker product H_m ⊗ H_{2^k} of a Paley Hadamard matrix of order m
+(Paley I: m = q + 1 for a prime q ≡ 3 mod 4, e.g. 12, 20; Paley II: m = 2(q + 1) for a prime
+q ≡ 1 mod 4, e.g. 28, 36) and a Sylvester one: 576 = 36·16, 640 = 20·32, 896 = 28·32,
+1152 = 36·32, 1536 = 12·128. A Hadamard matrix spreads one outlier channel evenly over all n
+channels (every entry has the same magnitude), which a random orthogonal matrix does only on
+average. Sizes no such product reaches fall back to a Haar-random orthogonal matrix (QR of a
+seeded Gaussian, signs fixed by R's diagonal); the report names which was used.
+
+**Numerics.** Every product is computed in float64 and stored back in the weight's dtype, so
+the rotated model differs from the original by one rounding of each stored weight (fp32: 6e-8
+relative) and by the summation order of its matmuls: logits agree within ~1e-6 relative on the
+tiny test models (tests/optimize/test_rotate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["RotationReport", "hadamard_matrix", "random_orthogonal", "rotation_matrix", "rotate_model"]
+
+_ROW_CHUNK = 8192  # rows of the embedding table / lm head rotated at a time (float64 copies stay small)
+
+
+@dataclass(frozen=True)
+class RotationReport:
+    """What :func:`rotate_model` did. ``r1`` / ``r2``: applied; ``*_matrix``: how the matrix was
+    built; ``r1_skipped``: why R1 was not applied although asked for (None otherwise)."""
+
+    seed: int
+    r1: bool
+    r2: bool
+    r1_matrix: str | None
+    r2_matrix: str | None
+    r1_skipped: str | None
+    folded_norms: int  # RMSNorm gammas folded into the next linears (now ones)
+    rotated_linears: int  # linear layers with at least one side rotated
+    untied: bool  # the model had tied embeddings and no longer has
+    seconds: float
+
+
+# --------------------------------------------------------------------------- matrices
+def _is_prime(q: int) -> bool:
+    if q < 2:
+        return False
+    i = 2
+    while i * i <= q:
+        if q % i == 0:
+            return False
+        i += 1
+    return True
+
+
+def _jacobsthal(q: int) -> torch.Tensor:
+    """Q[i, j] = χ(j - i) with χ the quadratic character mod the prime q."""
+    chi = torch.full((q,), -1.0, dtype=torch.float64)
+    chi[0] = 0.0
+    for a in range(1, q):
+        chi[a * a % q] = 1.0
+    idx = (torch.arange(q).unsqueeze(0) - torch.arange(q).unsqueeze(1)) % q
+    return chi[idx]
+
+
+def _paley(m: int) -> tuple[torch.Tensor, str] | None:
+    """A Hadamard matrix of order m from Paley's constructions with a prime q, or None."""
+    q = m - 1
+    if q % 4 == 3 and _is_prime(q):  # Paley I: I + [[0, 1ᵀ], [-1, Q]], Q antisymmetric
+        s = torch.zeros(m, m, dtype=torch.float64)
+        s[0, 1:], s[1:, 0], s[1:, 1:] = 1.0, -1.0, _jacobsthal(q)
+        return torch.eye(m, dtype=torch.float64) + s, f"paley1(q={q})"
+    if m % 2 == 0:
+        q = m // 2 - 1
+        if q % 4 == 1 and _is_prime(q):  # Paley II: C = [[0, 1ᵀ], [1, Q]] symmetric conference matrix
+            c = torch.zeros(m // 2, m // 2, dtype=torch.float64)
+            c[0, 1:], c[1:, 0], c[1:, 1:] = 1.0, 1.0, _jacobsthal(q)
+            a = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)  # where C is 0 (the diagonal)
+            b = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)  # times C's ±1 entries
+            return torch.kron(c, b) + torch.kron(torch.eye(m // 2, dtype=torch.float64), a), f"paley2(q={q})"
+    return None
+
+
+def _sylvester(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard_matrix(n: int) -> tuple[torch.Tensor, str] | None:
+    """(H, how) with H an n×n ±1 matrix, H·Hᵀ = n·I, float64; None when n is not 2^k times a
+    Paley order (prime q). Prefers the smallest Paley factor (pure Sylvester for powers of two)."""
+    if n < 1:
+        raise ValueError(f"matrix size must be positive, got {n}")
+    two = n & -n  # largest power of two dividing n
+    m = n // two
+    while m <= n:
+        if m == 1:
+            return _sylvester(n), f"sylvester({n})"
+        found = _paley(m)
+        if found is not None:
+            h, how = found
+            if m == n:
+                return h, how
+            return torch.kron(h, _sylvester(n // m)), f"{how} x sylvester({n // m})"
+        if (n // m) % 2:
+            return None
+        m *= 2
+    return None
+
+
+def random_orthogonal(n: int, generator: torch.Generator) -> torch.Tensor:
+    """A Haar-random n×n orthogonal matrix (QR of a Gaussian, signs fixed by R's diagonal), float64."""
+    a = torch.randn(n, n, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    return q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()).double())
+
+
+def rotation_matrix(n: int, generator: torch.Generator) -> tuple[torch.Tensor, str]:
+    """(R, how): the randomised Hadamard diag(s)·H/√n with random signs s, or a random
+    orthogonal matrix when no Hadamard matrix of order n is constructed. float64, RᵀR = I."""
+    found = hadamard_matrix(n)
+    if found is None:
+        return random_orthogonal(n, generator), f"random orthogonal (QR, n={n})"
+    h, how = found
+    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int64).double() * 2 - 1
+    # diag(s)·H, not H·diag(s): the latter only flips the signs of the rotated channels, which
+    # changes no scale of any per-channel or per-block format, so the seed would do nothing.
+    return signs.unsqueeze(1) * h / n**0.5, f"randomized hadamard {how}"
+
+
+# --------------------------------------------------------------------------- folding
+def _set(param: torch.Tensor, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        param.copy_(value.to(param.dtype))
+
+
+def _rotate_input(linear: nn.Linear, rot: torch.Tensor, gamma: torch.Tensor | None) -> None:
+    """W → W·diag(gamma)·rot (rows in chunks, float64)."""
+    w = linear.weight
+    g = None if gamma is None else gamma.detach().to(w.device, torch.float64)
+    with torch.no_grad():
+        for start in range(0, w.shape[0], _ROW_CHUNK):
+            rows = w[start : start + _ROW_CHUNK].double()
+            if g is not None:
+                rows = rows * g
+            w[start : start + _ROW_CHUNK] = (rows @ rot).to(w.dtype)
+
+
+def _rotate_output(linear: nn.Linear, rot: torch.Tensor) -> None:
+    """W → rotᵀ·W and b → rotᵀ·b: the layer's output y becomes y·rot."""
+    _set(linear.weight, rot.T @ linear.weight.double())
+    if linear.bias is not None:
+        _set(linear.bias, linear.bias.double() @ rot)
+
+
+def _uniform(gamma: torch.Tensor) -> bool:
+    return bool((gamma == gamma.flatten()[0]).all())
+
+
+def _sandwich_obstacle(model: nn.Module) -> str | None:
+    """Why R1 would not be exact for a sandwich-norm model, or None when every post-norm gamma is all-equal."""
+    bad = [f"layers.{i}.{name}" for i, layer in enumerate(model.layers)
+           for name in ("post_attention_layernorm", "post_feedforward_layernorm")
+           if not _uniform(getattr(layer, name).weight.detach())]
+    if not bad:
+        return None
+    return (f"sandwich norms: {len(bad)} post-attention/post-FFN RMSNorm(s) (first {bad[0]}) read the rotated block "
+            "output and feed the residual with no linear after them, and their gamma is not all-equal, so "
+            "RMSNorm(x R1) != RMSNorm(x) R1; the residual stream is left unrotated")
+
+
+def rotate_model(model: nn.Module, *, seed: int = 0, r1: bool = True, r2: bool = False) -> RotationReport:
+    """Fold rotations into a float :class:`~npuq.models.decoder.StaticDecoder`, in place; the
+    model computes the same logits (to float rounding) in every mode. See the module docstring
+    for what R1 and R2 are and when each is exact (Gemma 3: R1 only with all-equal post-norm
+    gammas, otherwise skipped and reported)."""
+    start = time.perf_counter()
+    cfg = model.config
+    gen = torch.Generator().manual_seed(int(seed))
+    device = model.embed_tokens.weight.device
+    r1_skipped = None
+    if r1 and getattr(cfg, "sandwich_norms", False):
+        r1_skipped = _sandwich_obstacle(model)
+    do_r1 = r1 and r1_skipped is None
+    folded = 0
+    rotated: set[str] = set()
+    r1_how = r2_how = None
+    untied = False
+    if do_r1:
+        rot, r1_how = rotation_matrix(cfg.hidden_size, gen)
+        rot = rot.to(device)
+        if model.lm_head.weight is model.embed_tokens.weight:  # a truly shared Parameter: give the head its own
+            model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+        emb = model.embed_tokens.weight
+        with torch.no_grad():
+            for s in range(0, emb.shape[0], _ROW_CHUNK):
+                emb[s : s + _ROW_CHUNK] = (emb[s : s + _ROW_CHUNK].double() @ rot).to(emb.dtype)
+
+        def fold(norm: nn.Module, readers: list[tuple[str, nn.Linear]]) -> None:
+            nonlocal folded
+            gamma = norm.weight.detach().clone()
+            for name, linear in readers:
+                _rotate_input(linear, rot, gamma)
+                rotated.add(name)
+            _set(norm.weight, torch.ones_like(norm.weight))
+            folded += 1
+
+        for i, layer in enumerate(model.layers):
+            p = f"layers.{i}"
+            attn, mlp = layer.self_attn, layer.mlp
+            fold(layer.input_layernorm, [(f"{p}.self_attn.{n}", getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")])
+            mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
+            fold(mlp_norm, [(f"{p}.mlp.{n}", getattr(mlp, n)) for n in ("gate_proj", "up_proj")])
+            # (sandwich post-norms: all-equal gamma, checked above; a scalar gamma commutes with R1)
+            _rotate_output(attn.o_proj, rot)
+            _rotate_output(mlp.down_proj, rot)
+            rotated.update({f"{p}.self_attn.o_proj", f"{p}.mlp.down_proj"})
+        fold(model.norm, [("lm_head", model.lm_head)])
+        if cfg.tie_word_embeddings:
+            model.config = dataclasses.replace(cfg, tie_word_embeddings=False)
+            untied = True
+    if r2:
+        D, KV, H = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads
+        for i, layer in enumerate(model.layers):
+            rot2, r2_how = rotation_matrix(D, gen)
+            rot2 = rot2.to(device)
+            v, o = layer.self_attn.v_proj, layer.self_attn.o_proj
+            wv = v.weight.double().view(KV, D, -1)
+            _set(v.weight, (rot2.T @ wv).reshape(KV * D, -1))  # each KV head's output → v_head·R2
+            if v.bias is not None:
+                _set(v.bias, (v.bias.double().view(KV, D) @ rot2).reshape(-1))
+            wo = o.weight.double().view(o.weight.shape[0], H, D)
+            _set(o.weight, (wo @ rot2).reshape(o.weight.shape[0], H * D))  # each query head's input ← R2ᵀ
+            rotated.update({f"layers.{i}.self_attn.v_proj", f"layers.{i}.self_attn.o_proj"})
+    return RotationReport(
+        seed=int(seed), r1=do_r1, r2=bool(r2), r1_matrix=r1_how, r2_matrix=r2_how, r1_skipped=r1_skipped,
+        folded_norms=folded, rotated_linears=len(rotated), untied=untied, seconds=time.perf_counter() - start,
+    )
