@@ -1,7 +1,8 @@
 """One writer per output folder (npuq.fsio.folder_lock), between real processes: a second one is
 refused at once with a message naming the folder and the holder's pid, or waits for it; the lock
-goes away with its holder (an exception, Ctrl-C, SIGKILL) and lives next to the folder, so it
-holds before the folder exists and across an atomic replacement of the folder."""
+goes away with its holder (an exception, Ctrl-C, SIGKILL) and lives in npuq's cache, keyed by the
+folder's path, so it holds before the folder exists and across an atomic replacement of the folder,
+and leaves nothing beside the folder."""
 
 import json
 import os
@@ -65,9 +66,16 @@ def tell(proc, line):
     proc.stdin.flush()
 
 
-def test_lock_file_is_next_to_the_folder(tmp_path):
-    assert lock_path(tmp_path / "out") == tmp_path / ".out.lock"
-    assert lock_path(tmp_path / "a" / ".." / "out") == tmp_path / ".out.lock"  # one lock per folder
+def owner_file(folder):
+    lock = lock_path(folder)
+    return lock.with_name(lock.name + ".owner")
+
+
+def test_one_lock_file_per_folder_in_the_cache(tmp_path):
+    lock = lock_path(tmp_path / "out")
+    assert lock.parent.name == "locks" and lock.name.startswith("out-") and not lock.is_relative_to(tmp_path)
+    assert lock_path(tmp_path / "a" / ".." / "out") == lock  # the same folder, spelled differently
+    assert lock_path(tmp_path / "other" / "out") != lock
 
 
 def test_a_second_process_is_refused_with_the_holders_pid(tmp_path, start_holder):
@@ -91,7 +99,7 @@ def test_waiting_acquires_once_the_holder_releases(tmp_path, start_holder, capsy
     start = time.monotonic()
     with folder_lock(folder, "npuq export", wait=60):
         waited = time.monotonic() - start
-        assert json.loads((tmp_path / ".out.lock.owner").read_text())["pid"] == os.getpid()
+        assert json.loads(owner_file(tmp_path / "out").read_text())["pid"] == os.getpid()
     assert 0.5 < waited < 50
     assert holder.stdout.readline() == "released\n"
     err = capsys.readouterr().err
@@ -113,9 +121,9 @@ def test_a_sigkilled_holder_does_not_block(tmp_path, start_holder):
     holder = start_holder(folder)
     holder.send_signal(signal.SIGKILL)
     holder.wait(timeout=30)
-    assert (tmp_path / ".out.lock.owner").exists()  # the dead holder's pid file stays; the OS lock did not
+    assert owner_file(tmp_path / "out").exists()  # the dead holder's pid file stays; the OS lock did not
     with folder_lock(folder, "npuq run"):  # at once, without waiting
-        assert json.loads((tmp_path / ".out.lock.owner").read_text())["pid"] == os.getpid()
+        assert json.loads(owner_file(tmp_path / "out").read_text())["pid"] == os.getpid()
 
 
 @pytest.mark.parametrize("how", ["raise", "ctrl-c"])
@@ -131,7 +139,7 @@ def test_a_block_left_by_an_exception_or_ctrl_c_releases_in_a_live_process(tmp_p
     assert holder.poll() is None  # still running: its release freed the lock, not its exit
     with folder_lock(folder, "npuq run"):
         pass
-    assert not (tmp_path / ".out.lock.owner").exists()  # released: no pid left behind
+    assert not owner_file(tmp_path / "out").exists()  # released: no pid left behind
 
 
 def test_an_exception_in_this_process_releases(tmp_path):
@@ -161,4 +169,4 @@ def test_the_lock_holds_across_an_atomic_replacement_of_the_folder(tmp_path, sta
         with pytest.raises(NpuqError, match=f"pid {holder.pid}"), folder_lock(folder, "npuq run"):
             pass
     assert (folder / "f.txt").read_text() == "second"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", ".out.lock.owner", "out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing beside the folder

@@ -15,6 +15,7 @@ file next to it (released when the block ends, and by the OS when the process di
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -129,12 +130,14 @@ def interrupts_deferred() -> Iterator[None]:
 
 # --------------------------------------------------------------------------- one writer per folder
 def lock_path(path: str | os.PathLike) -> Path:
-    """The lock file of output folder ``path``: ``PARENT/.NAME.lock``, next to the folder, so it
-    exists before the folder does and stays put while :func:`atomic_dir` swaps the folder."""
+    """The lock file of output folder ``path``: ``CACHE/locks/NAME-HASH.lock``, keyed by the
+    folder's resolved path. Outside the folder, so it exists before the folder does and stays put
+    while :func:`atomic_dir` swaps the folder; outside its parent too, so an output folder gets
+    no stray file beside it (lock files are never deleted: deleting one while another process
+    waits on it would let two processes hold "the" lock)."""
     final = Path(path).resolve()
-    if not final.name:  # the file system root: no parent to put it in
-        return final / ".npuq.lock"
-    return final.parent / f".{final.name}.lock"
+    digest = hashlib.sha256(str(final).encode()).hexdigest()[:20]
+    return user_cache_dir() / "locks" / f"{final.name or 'root'}-{digest}.lock"
 
 
 def _owner_path(lock: Path) -> Path:
@@ -172,7 +175,7 @@ def folder_lock(path: str | os.PathLike, what: str, wait: float = 0.0) -> Iterat
 
     The lock is the ``filelock`` package's OS-level one (``flock`` on POSIX) on
     :func:`lock_path`, so the OS drops it when the holder dies, even by SIGKILL; the holder's
-    pid goes to a side file ``.NAME.lock.owner`` for the message a second process gets. With
+    pid goes to a side file (the lock file's name + ``.owner``) for the message a second process gets. With
     ``wait`` 0 a folder another process holds is an :class:`NpuqError` at once; with ``wait`` > 0
     one line on stderr says so and the lock is awaited that many seconds. Released when the
     block ends, by an exception or Ctrl-C included. ``what`` starts the message ("npuq run").
