@@ -11,11 +11,10 @@ import sys
 import time
 
 import pytest
-import torch
 
 from npuq.cli import main
-from npuq.models.tiny import save_tiny_hf_folder
 from npuq.pipeline.stages import MARKER
+from run_inputs import run_argv as argv
 
 STAGES = ["model", "threads", "quantize", "eval-float", "eval-quantized", "layers", "generate", "export",
           "eval-exported"]
@@ -23,23 +22,6 @@ ARTIFACT_FILES = {"decode.pt2", "prefill.pt2", "encodings.json", "config.json"}
 ONNX_FILES = {"decode.onnx", "prefill.onnx", "manifest.json"}
 REPORT_KEYS = {"npuq_version", "created", "options", "execution", "model", "scheme", "recipe", "threads", "calibration", "layers",
                "perplexity", "export", "generations", "files", "stages", "seconds"}
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("run-inputs")
-    folder = save_tiny_hf_folder(root / "model", "llama", seed=0, words=200)
-    g = torch.Generator().manual_seed(0)
-    text = root / "text.txt"
-    text.write_text(" ".join(f"w{int(i)}" for i in torch.randint(0, 200, (400,), generator=g)))
-    return folder, text
-
-
-def argv(inputs, out, *extra):
-    folder, text = inputs
-    return ["run", "--model", str(folder), "--calib-corpus", f"file:{text}", "--eval-corpus", f"file:{text}",
-            "--context", "32", "--calib-tokens", "64", "--eval-tokens", "64", "--gen-tokens", "4",
-            "--qnn-version", "2.51", "--htp-arch", "73", "--num-threads", "1", "--out", str(out), *extra]
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from npuq.errors import NpuqError
-from npuq.models.tiny import save_tiny_hf_folder
 from npuq.pipeline.stages import MARKER, RunDir
+from run_inputs import run_argv as argv
 
 # Run 1: holds the run folder argv[1]; builds stage "model", writes a report, says "held", and
 # finishes when a line arrives. With argv[2] == "hang" it stays inside stage "quantize" instead.
@@ -41,23 +40,6 @@ sys.stdin.readline()
 run.finish()
 print("finished", flush=True)
 """
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lock-inputs")
-    folder = save_tiny_hf_folder(root / "model", "llama", seed=0, words=200)
-    g = torch.Generator().manual_seed(0)
-    text = root / "text.txt"
-    text.write_text(" ".join(f"w{int(i)}" for i in torch.randint(0, 200, (400,), generator=g)))
-    return folder, text
-
-
-def argv(inputs, out):
-    folder, text = inputs
-    return ["run", "--model", str(folder), "--calib-corpus", f"file:{text}", "--eval-corpus", f"file:{text}",
-            "--context", "32", "--calib-tokens", "64", "--eval-tokens", "64", "--gen-tokens", "4",
-            "--qnn-version", "2.51", "--htp-arch", "73", "--num-threads", "1", "--out", str(out)]
 
 
 @pytest.fixture
