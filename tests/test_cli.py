@@ -130,3 +130,14 @@ def test_cli_is_offline_before_transformers_is_imported(tmp_path, user):
         assert report["offline"] is True and report["blocked"] == "OfflineModeIsEnabled"  # no request left the process
     else:
         assert report["offline"] is False  # the user's explicit choice wins (e.g. to fill a cache once)
+
+
+def test_model_help_names_every_builtin(capsys):
+    """The --model help is written out (listing the table would import torch for --help): it
+    must still name every built-in model."""
+    from npuq.models.sources import BUILTINS
+
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert [name for name in BUILTINS if name not in text] == []

@@ -81,8 +81,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="smollm2-135m", metavar="M",
-        help="a built-in name (smollm2-135m, gemma3-270m), a Hugging Face folder "
-             "(config.json + *.safetensors + tokenizer) or a .gguf file (default: smollm2-135m)",
+        help="a built-in name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b: each "
+             "names the pip command that installs it), a Hugging Face folder (config.json + *.safetensors "
+             "+ tokenizer) or a .gguf file (default: smollm2-135m)",
     )
 
 
