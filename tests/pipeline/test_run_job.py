@@ -14,6 +14,7 @@ import pytest
 
 from npuq.cli import main
 from npuq.pipeline.stages import MARKER
+from run_inputs import inputs  # noqa: F401  (a fixture)
 from run_inputs import run_argv as argv
 
 STAGES = ["model", "threads", "quantize", "eval-float", "eval-quantized", "layers", "generate", "export",
