@@ -3,6 +3,10 @@
 For a given artifact (``npuq quantize --out DIR``; default: a tiny Llama quantized here at
 16a8w) it exports the artifact once per ``--embedding-pattern`` and measures:
 
+- **the export's time**, in total and split into its phases (``export_phases_seconds``):
+  load (reading the artifact's programs), lower (PT2E graph → ONNX model), serialize (encoding the
+  models) and write (files, sha256, manifest); ``--export-only`` stops there;
+
 - **perplexity on real text** (``--corpus``, eval split, at most ``--max-tokens`` tokens, the
   windows of ``npuq eval``): the artifact's PT2E QDQ programs and every export on the exact
   ORT CPU provider score the *same* windows, and the logits of each window are compared
@@ -26,6 +30,8 @@ The tiny model has a 256-token vocabulary, so it reads the text as UTF-8 bytes.
     .venv/bin/python bench/export.py --artifact out/bench/smollm2-16a8w-pcq8 \
         --embedding-pattern optimized legacy --htp-tokens 4 --no-noise-floor \
         --out out/bench/export-smollm2-16a8w-pcq8.json
+    .venv/bin/python bench/export.py --artifact out/bench/smollm2-16a8w --export-only \
+        --out out/bench/export-time-smollm2-16a8w.json                # the export's time alone
 
 Writes JSON (default out/bench/export.json) and prints it.
 """
@@ -37,6 +43,7 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -100,6 +107,31 @@ class Timed:
         out = self.graph(*args)
         self.log.setdefault(int(args[0].shape[1]), []).append(time.perf_counter() - start)
         return out
+
+
+@contextmanager
+def export_phases():
+    """{phase: seconds} of the export_artifact call made inside the block (load, lower,
+    serialize, write: what npuq.lower.export logs at DEBUG level when it finishes)."""
+    import logging
+
+    from npuq.lower.export import PHASES
+
+    phases = dict.fromkeys(PHASES, 0.0)
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            phases.update(getattr(record, "npuq_export_phases", {}))
+
+    logger, handler = logging.getLogger("npuq.lower.export"), Collect(logging.DEBUG)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield phases
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def per_call_ms(log: dict[int, list[float]]) -> dict[str, float]:
@@ -173,10 +205,13 @@ def pcq_embedding_error(artifact: Path, config: dict) -> dict | None:
     import numpy as np
 
     from npuq.lower import pcq
+    from npuq.lower.fastload import faster_loading
     from npuq.lower.qparams import Encoding, storage_type
     from npuq.quantize.artifact import load_program
 
-    gm = load_program(artifact / config["programs"]["decode"]["file"]).module()
+    with faster_loading():
+        program = load_program(artifact / config["programs"]["decode"]["file"])
+    gm = program.module() if isinstance(program, torch.export.ExportedProgram) else program
     node = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.embedding.default),
                 None)
     dq = node.args[0] if node is not None else None
@@ -289,8 +324,13 @@ def main(argv: list[str] | None = None) -> dict:
                    "on a shared 2-vCPU machine 2 threads made a SmolLM2 prefill call 3-70x slower; 0 keeps torch's)")
     p.add_argument("--no-noise-floor", dest="noise_floor", action="store_false",
                    help="skip the PT2E-vs-PT2E (re-associated softmax) reference runs")
+    p.add_argument("--export-only", action="store_true",
+                   help="only time the export (split into load, lower, serialize, write): no perplexity, "
+                   "random-token or HTP runs")
     p.add_argument("--out", default="out/bench/export.json")
     args = p.parse_args(argv)
+    if args.export_only:
+        args.max_tokens, args.tokens, args.htp_tokens = 0, 0, 0
 
     from npuq.eval.perplexity import window_loglikelihood
     from npuq.lower.export import ExportOptions, export_artifact
@@ -310,25 +350,29 @@ def main(argv: list[str] | None = None) -> dict:
         exports, export_dirs = {}, {}
         for pattern in dict.fromkeys(args.embedding_pattern):
             out = work / f"export-{pattern}"
-            r = export_artifact(artifact, out, ExportOptions(qnn_version=args.qnn_version, htp_arch=args.htp_arch,
-                                                             embedding_pattern=pattern,
-                                                             embedding_storage=args.embedding_storage))
+            with export_phases() as phases:
+                r = export_artifact(artifact, out, ExportOptions(qnn_version=args.qnn_version, htp_arch=args.htp_arch,
+                                                                 embedding_pattern=pattern,
+                                                                 embedding_storage=args.embedding_storage))
             manifest = json.loads((out / "manifest.json").read_text())
             export_dirs[pattern] = out
             exports[pattern] = {
-                "export_seconds": round(r.seconds, 2), "embedding_pattern": r.embedding_pattern,
+                "export_seconds": round(r.seconds, 2),
+                "export_phases_seconds": {k: round(v, 2) for k, v in phases.items()},
+                "embedding_pattern": r.embedding_pattern,
                 "embeddings": manifest["embeddings"],
                 "onnx_bytes": {k: (out / g["file"]).stat().st_size for k, g in manifest["graphs"].items()},
             }
-            print(f"exported {pattern}: {r.embedding_pattern} in {r.seconds:.1f} s", file=sys.stderr)
+            split = ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+            print(f"exported {pattern}: {r.embedding_pattern} in {r.seconds:.1f} s ({split})", file=sys.stderr)
         first = next(iter(export_dirs))
         manifest = json.loads((export_dirs[first] / "manifest.json").read_text())
         cfg = ModelConfig.from_dict(manifest["model_config"])
         context = manifest["context"]
         prefill_len = max(g["ar_len"] for g in manifest["graphs"].values())
-        qm = load_artifact(artifact)
-        pt2e = qm.graphs()
-        step = logits_step(qm.decode)
+        qm = None if args.export_only else load_artifact(artifact)  # the PT2E reference for the comparisons
+        pt2e = qm.graphs() if qm is not None else {}
+        step = logits_step(qm.decode) if qm is not None else None
         report.update({
             "artifact": str(artifact) if not tiny else "tiny-llama-16a8w (quantized here)",
             "recipe": config.get("recipe", {}),
@@ -340,10 +384,10 @@ def main(argv: list[str] | None = None) -> dict:
             "logits_step": step,
             "exports": exports,
         })
-        table = pcq_embedding_error(Path(artifact), config)
+        table = None if args.export_only else pcq_embedding_error(Path(artifact), config)
         if table is not None:
             report["pcq_embedding_table"] = table
-        cpu = {pattern: ort.load_export(d, "cpu")[1] for pattern, d in export_dirs.items()}
+        cpu = {} if args.export_only else {pattern: ort.load_export(d, "cpu")[1] for pattern, d in export_dirs.items()}
 
         # ---- perplexity on real text, the same windows for every scorer
         if max_tokens:

@@ -15,18 +15,22 @@ and refusing graph files named outside the folder. The free disk is checked befo
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import onnx
 
 from npuq.fsio import atomic_dir, folder_lock, read_json, resolve_inside
 from npuq.errors import NpuqError
+from npuq.lower.fastload import faster_loading
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
@@ -36,6 +40,20 @@ from npuq.quantize.artifact import load_program, program_path, read_artifact
 EXPORT_FORMAT = "npuq-export/1"
 KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")
 PROTOBUF_LIMIT = 1_800_000_000  # bytes; larger models keep their weights in an external file
+# Where an export's time goes, logged (DEBUG, logger npuq.lower.export) with the record
+# attribute ``npuq_export_phases`` {phase: seconds}: reading the .pt2 programs, lowering them
+# to ONNX models, encoding the models, writing the folder (files, sha256, manifest).
+PHASES = ("load", "lower", "serialize", "write")
+log = logging.getLogger("npuq.lower.export")
+
+
+@contextmanager
+def _timed(phases: dict[str, float], phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[phase] += time.perf_counter() - start
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -78,13 +96,33 @@ def check_kv_encodings(graphs: dict[str, LoweredGraph]) -> None:
             reference.setdefault(key, (kind, spec.encoding))
 
 
-def _save(model: onnx.ModelProto, path: Path) -> list[str]:
-    if model.ByteSize() < PROTOBUF_LIMIT:
-        onnx.save(model, path)
-        return [path.name]
+def _serialize(model: onnx.ModelProto) -> bytes | None:
+    """The model's bytes when it fits one protobuf file (below PROTOBUF_LIMIT), else None."""
+    from google.protobuf.message import EncodeError
+
+    try:
+        data = model.SerializeToString()
+    except (ValueError, EncodeError):  # protobuf refuses messages of 2 GiB and more
+        return None
+    return data if len(data) < PROTOBUF_LIMIT else None
+
+
+def _save_external(model: onnx.ModelProto, path: Path) -> list[str]:
     data = path.name + ".data"
     onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
     return [path.name, data]
+
+
+def _write(data: bytes, path: Path) -> str:
+    """Write ``data`` (what onnx.save writes for the model) and return its sha256, hashed from
+    memory in a second thread while the file is written (both release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+        with open(path, "wb") as f:
+            f.write(data)
+        return digest.result()
 
 
 def _sha256(path: Path) -> str:
@@ -182,11 +220,20 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     cfg = ModelConfig.from_dict(config["model_config"])
     in_names, out_names = io_names(cfg.num_layers)
 
+    phases = dict.fromkeys(PHASES, 0.0)
     lowered: dict[str, LoweredGraph] = {}
+    blobs: dict[str, bytes | None] = {}  # the file of each graph, or None: saved with external data
     for kind in ("decode", "prefill"):
-        program = load_program(program_path(artifact, config, kind))
-        lowered[kind] = lower_program(program, target, options.lower_options(), in_names, out_names, is_kv,
-                                      graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
+        with _timed(phases, "load"), faster_loading():
+            program = load_program(program_path(artifact, config, kind))
+        with _timed(phases, "lower"):
+            g = lower_program(program, target, options.lower_options(), in_names, out_names, is_kv,
+                              graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
+            del program
+        with _timed(phases, "serialize"):
+            blobs[kind] = _serialize(g.model)
+        # The bytes are what gets written: drop the proto (as big as the weights) unless needed.
+        lowered[kind] = g if blobs[kind] is None else dataclasses.replace(g, model=onnx.ModelProto())
     check_kv_encodings(lowered)
     log_notes_once([n for g in lowered.values() for n in g.notes])
 
@@ -194,17 +241,23 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     from npuq.resources import check_free_disk
 
     # Serialized size is exact (external data, if any, holds the same bytes); + the manifest.
-    check_free_disk(out, sum(g.model.ByteSize() for g in lowered.values()) + (1 << 20), f"the export {out}")
-    with atomic_dir(out) as tmp:
+    sizes = [len(blobs[k]) if blobs[k] is not None else g.model.ByteSize() for k, g in lowered.items()]
+    check_free_disk(out, sum(sizes) + (1 << 20), f"the export {out}")
+    with _timed(phases, "write"), atomic_dir(out) as tmp:
         files: dict[str, str] = {}
         graphs_json: dict[str, Any] = {}
         for kind, g in lowered.items():
-            written = _save(g.model, tmp / f"{kind}.onnx")
+            path = tmp / f"{kind}.onnx"
+            if blobs[kind] is not None:
+                written, digest = [path.name], _write(blobs.pop(kind), path)
+            else:
+                written = _save_external(g.model, path)
+                digest = _sha256(tmp / written[0])
             files[kind] = str(out / written[0])
             graphs_json[kind] = {
                 "file": written[0],
                 "external_data": written[1] if len(written) > 1 else None,
-                "sha256": _sha256(tmp / written[0]),
+                "sha256": digest,
                 "ar_len": int(config["programs"][kind]["ar_len"]),
                 "inputs": [s.to_json() for s in g.inputs],
                 "outputs": [s.to_json() for s in g.outputs],
@@ -235,6 +288,8 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         files["manifest"] = str(out / "manifest.json")
+    log.debug("export %s: %s", out, ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()),
+              extra={"npuq_export_phases": phases})
     return ExportResult(manifest["target"]["qnn_version"], target.qnn_version_source, target.htp_arch, target.soc,
                         pattern, files, time.perf_counter() - start)
 

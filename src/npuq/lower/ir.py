@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from onnx import NodeProto, TensorProto, helper, numpy_helper
+from onnx import NodeProto, TensorProto, helper
 
 from npuq.lower.qparams import NUMPY_OF, Encoding, quantize
 
@@ -41,6 +41,16 @@ class Value:
     @property
     def is_static(self) -> bool:
         return self.codes is not None or self.const is not None
+
+
+@dataclass(frozen=True, eq=False)
+class Initializer:
+    """A constant of the graph, kept as its numpy array until the writer assembles the model:
+    only the ones a node still reads once the graph is cleaned up are ever converted, and each
+    is written once, straight into the model (``numpy_helper.from_array``'s encoding)."""
+
+    name: str
+    array: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -78,7 +88,7 @@ class NodeView:
 class Lowered:
     outputs: tuple[Value, ...]
     nodes: tuple[NodeProto, ...] = ()
-    initializers: tuple[TensorProto, ...] = ()
+    initializers: tuple[Initializer | TensorProto, ...] = ()
     notes: tuple[Note, ...] = ()
     opsets: tuple[tuple[str, int], ...] = ()  # extra (domain, version) pairs the nodes need
 
@@ -95,7 +105,7 @@ class Emit:
         self.view = view
         self.prefix = view.name
         self.nodes: list[NodeProto] = []
-        self.initializers: list[TensorProto] = []
+        self.initializers: list[Initializer | TensorProto] = []
         self.notes: list[Note] = []
         self.opsets: list[tuple[str, int]] = []
         self._count = 0
@@ -106,7 +116,7 @@ class Emit:
 
     def const(self, array: np.ndarray, tag: str = "const", name: str | None = None) -> str:
         name = name or self.fresh(tag)
-        self.initializers.append(numpy_helper.from_array(np.asarray(array), name))
+        self.initializers.append(Initializer(name, np.asarray(array)))
         return name
 
     def node(self, op_type: str, inputs: list[str], output: str | None = None, tag: str | None = None,
@@ -137,7 +147,7 @@ class Emit:
 
     def static(self, codes: np.ndarray, enc: Encoding, tag: str) -> str:
         """A quantized constant and its DequantizeLinear; returns the float output name."""
-        codes_name = self.const(np.asarray(codes).astype(NUMPY_OF[enc.onnx_type]), f"{tag}_codes")
+        codes_name = self.const(np.asarray(codes).astype(NUMPY_OF[enc.onnx_type], copy=False), f"{tag}_codes")
         return self.dequantize(codes_name, enc, tag=f"{tag}_dq")
 
     def qdq(self, x: str, enc: Encoding, tag: str = "requant") -> str:

@@ -15,7 +15,10 @@ then:
 
 from __future__ import annotations
 
+import copy
 import logging
+import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -27,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 from npuq.errors import NpuqError
 from npuq.lower.builders.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, encoding_of
 from npuq.lower.qparams import Encoding
-from npuq.lower.ir import Lowered, NodeView, Note, Value
+from npuq.lower.ir import Initializer, Lowered, NodeView, Note, Value
 from npuq.lower.patterns import RMS_NORM_OP, match_patterns
 from npuq.lower.registry import BuildContext, LowerOptions, Unsupported, select
 from npuq.lower.target import Target
@@ -88,6 +91,64 @@ def _graph_module(program) -> torch.fx.GraphModule:
     raise TypeError(f"expected an ExportedProgram or GraphModule, got {type(program).__name__}")
 
 
+def _has_meta(graph: torch.fx.Graph) -> bool:
+    return all(isinstance(n.meta.get("val"), torch.Tensor) for n in graph.nodes
+               if n.op == "call_function" and _op_name(n) not in SKIP_OPS)
+
+
+def _program_graph(program) -> tuple[torch.fx.Graph, Callable[[str], Any]]:
+    """The graph to walk, with every node's metadata, and the lookup of its get_attr targets.
+
+    For an ExportedProgram this is the graph ``program.module()`` builds, made without
+    building the module: a copy of the program's graph in which each lifted parameter,
+    buffer or constant placeholder becomes a get_attr node, the way
+    ``torch.export._unlift`` does it (so the nodes get the same names), and whose targets
+    are read from the program's state dict and constants. ``module()`` also generates and
+    compiles Python code for the graph (several times), which the lowering never runs: most
+    of its cost on a real model. Programs whose signature holds anything else (mutated
+    buffers, tokens, custom objects) or that lack metadata go through ``module()``.
+    """
+    if isinstance(program, torch.export.ExportedProgram):
+        flat = _unlifted_graph(program)
+        if flat is not None:
+            return flat
+    gm = _graph_module(program)
+    _ensure_meta(gm)
+    return gm.graph, lambda target: _get_attr(gm, target)
+
+
+def _unlifted_graph(ep: torch.export.ExportedProgram) -> tuple[torch.fx.Graph, Callable[[str], Any]] | None:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    lifted = {InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR}
+    if any(s.kind not in lifted | {InputKind.USER_INPUT} for s in sig.input_specs) \
+            or any(s.kind != OutputKind.USER_OUTPUT for s in sig.output_specs) or not _has_meta(ep.graph):
+        return None
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(sig.input_specs):
+        return None
+    tensors: dict[str, Any] = {}
+    for spec in sig.input_specs:
+        if spec.kind in lifted:
+            source = ep.state_dict if spec.target in ep.state_dict else ep.constants
+            if spec.target not in source:
+                return None
+            tensors[spec.target] = source[spec.target]
+    graph = copy.deepcopy(ep.graph)  # module() unlifts a deep copy too: same names, same counters
+    for node, spec in zip([n for n in graph.nodes if n.op == "placeholder"], sig.input_specs):
+        if spec.kind not in lifted:
+            continue
+        with graph.inserting_after(node), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            getattr_node = graph.get_attr(spec.target)
+        node.replace_all_uses_with(getattr_node)
+        meta = node.meta
+        graph.erase_node(node)
+        getattr_node.meta = meta
+    return graph, tensors.__getitem__
+
+
 def _ensure_meta(gm: torch.fx.GraphModule) -> None:
     """Give every node a ``meta["val"]`` (convert_pt2e leaves its q/dq nodes without one) by
     propagating fake tensors shaped like the placeholders: no real computation."""
@@ -127,8 +188,23 @@ def _meta(node: torch.fx.Node) -> tuple[tuple[int, ...], int]:
     return tuple(int(d) for d in val.shape), ONNX_OF_TORCH[val.dtype]
 
 
+_OP_NAMES: dict[Any, str] = {}
+
+
 def _op_name(node: torch.fx.Node) -> str:
-    return str(node.target) if isinstance(node.target, torch._ops.OpOverload) else getattr(node.target, "__name__", str(node.target))
+    target = node.target
+    if isinstance(target, str):
+        return target
+    try:
+        return _OP_NAMES[target]
+    except (KeyError, TypeError):
+        pass
+    name = str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+    try:
+        _OP_NAMES[target] = name
+    except TypeError:  # an unhashable target
+        pass
+    return name
 
 
 def _users(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -153,13 +229,11 @@ def lower_program(
     target = target or Target()
     ctx = BuildContext(target, options or LowerOptions())
     wants_quantized = quantized_io if callable(quantized_io) else frozenset(quantized_io).__contains__
-    gm = _graph_module(program)
-    _ensure_meta(gm)
-    graph = gm.graph
+    graph, get_attr = _program_graph(program)
 
     env: dict[torch.fx.Node, Any] = {}
     nodes: list[onnx.NodeProto] = []
-    initializers: dict[str, onnx.TensorProto] = {}
+    initializers: dict[str, Initializer | onnx.TensorProto] = {}
     consts: dict[str, np.ndarray] = {}  # get_attr tensors, materialized if an ONNX node reads them raw
     notes: list[Note] = []
     opsets: dict[str, int] = {"": OPSET}
@@ -178,7 +252,7 @@ def lower_program(
     for node in graph.nodes:
         if node.op != "get_attr":
             continue
-        tensor = _get_attr(gm, node.target)
+        tensor = get_attr(node.target)
         if isinstance(tensor, torch.Tensor):
             array = tensor.detach().cpu().numpy()
             consts[node.name] = array
@@ -273,24 +347,68 @@ def lower_program(
     nodes = fold_identity_requant(nodes, initializers, protected)
     nodes = merge_transposes(nodes, initializers, protected)
     nodes, used = remove_dead(nodes, [o.name for o in outputs])
-    for name in used:
-        if name not in initializers and name in consts:
-            initializers[name] = numpy_helper.from_array(consts[name], name)
-    kept_inits = [initializers[n] for n in initializers if n in used]
     inputs = narrow_index_inputs(nodes, inputs, notes)
-
-    g = helper.make_graph(
-        nodes, graph_name,
+    for name in consts:  # in graph order, so the file does not depend on set iteration order
+        if name in used and name not in initializers:
+            initializers[name] = Initializer(name, consts[name])
+    model = _assemble(
+        graph_name, nodes,
         [helper.make_tensor_value_info(s.name, helper.np_dtype_to_tensor_dtype(np.dtype(s.dtype)), s.shape) for s in inputs],
         [helper.make_tensor_value_info(s.name, helper.np_dtype_to_tensor_dtype(np.dtype(s.dtype)), s.shape) for s in outputs],
-        kept_inits,
+        [initializers[n] for n in initializers if n in used], opsets,
     )
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
-                              producer_name="npuq")
-    model.ir_version = IR_VERSION
     if log_warnings:
         log_notes_once(notes)
     return LoweredGraph(model, inputs, outputs, notes, builders)
+
+
+def _assemble(name: str, nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
+              outputs: list[onnx.ValueInfoProto], initializers: list[Initializer | onnx.TensorProto],
+              opsets: dict[str, int]) -> onnx.ModelProto:
+    """The model ``helper.make_model(helper.make_graph(...))`` builds, field for field, filled
+    in place: make_graph copies every initializer into the graph and make_model copies the
+    whole graph into the model (twice the weights' bytes). Each :class:`Initializer` is encoded
+    once, directly into the model's graph."""
+    model = onnx.ModelProto()
+    model.ir_version = IR_VERSION
+    model.producer_name = "npuq"
+    model.opset_import.extend(helper.make_opsetid(d, v) for d, v in opsets.items())
+    graph = model.graph
+    graph.node.extend(nodes)
+    graph.name = name
+    graph.input.extend(inputs)
+    graph.output.extend(outputs)
+    for init in initializers:
+        if isinstance(init, Initializer):
+            write_tensor(graph.initializer.add(), init.array, init.name)
+        else:
+            graph.initializer.append(init)
+    return model
+
+
+# numpy_helper.from_array packs these (or handles them element by element): left to it.
+_PACKED = {TensorProto.INT4, TensorProto.UINT4, TensorProto.STRING}
+_PACKED |= {getattr(TensorProto, n) for n in ("FLOAT4E2M1", "INT2", "UINT2", "FLOAT6E2M3", "FLOAT6E3M2")
+            if hasattr(TensorProto, n)}
+
+
+def write_tensor(tensor: onnx.TensorProto, array: np.ndarray, name: str) -> None:
+    """Fill the empty ``tensor`` exactly as ``numpy_helper.from_array(array, name)`` would
+    (dims, name, data type, little-endian raw data), without an intermediate TensorProto to
+    copy; exotic types go through from_array itself."""
+    array = np.asarray(array)
+    dtype = None if array.dtype == object or np.issubdtype(array.dtype, np.str_) \
+        else helper.np_dtype_to_tensor_dtype(array.dtype)
+    if dtype is None or dtype in _PACKED:
+        tensor.CopyFrom(numpy_helper.from_array(array, name))
+        return
+    tensor.dims.extend(array.shape)
+    if name:
+        tensor.name = name
+    tensor.data_type = dtype
+    if array.dtype.byteorder == ">" or (sys.byteorder == "big" and array.dtype.byteorder == "="):
+        array = array.astype(array.dtype.newbyteorder("<"))
+    tensor.raw_data = array.tobytes()
 
 
 def _output_encoding(node: torch.fx.Node, resolve) -> Encoding | None:
@@ -316,12 +434,16 @@ def _rename(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None:
                 n.output[i] = renames[x]
 
 
-def _qparams(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]):
+def _array(init: Initializer | onnx.TensorProto) -> np.ndarray:
+    return init.array if isinstance(init, Initializer) else numpy_helper.to_array(init)
+
+
+def _qparams(node: onnx.NodeProto, inits: dict[str, Initializer | onnx.TensorProto]):
     if len(node.input) < 3 or node.input[1] not in inits or node.input[2] not in inits:
         return None
     axis = next((a.i for a in node.attribute if a.name == "axis"), None)
-    scale = numpy_helper.to_array(inits[node.input[1]])
-    zp = numpy_helper.to_array(inits[node.input[2]])
+    scale = _array(inits[node.input[1]])
+    zp = _array(inits[node.input[2]])
     return scale, zp, axis
 
 

@@ -95,7 +95,7 @@ def dequantize_node(view: NodeView, ctx: BuildContext) -> Lowered:
         raw = q.codes if q.codes is not None else q.const
         if raw.min(initial=enc.qmin) < enc.qmin or raw.max(initial=enc.qmax) > enc.qmax:
             raise Unsupported(f"constant codes outside the quant range [{enc.qmin}, {enc.qmax}]")
-        codes = raw.astype(NUMPY_OF[enc.onnx_type])
+        codes = raw.astype(NUMPY_OF[enc.onnx_type], copy=False)
         source = e.const(codes, name=f"{q.name}_{enc.type_name}")
     else:
         if q.elem_type != enc.onnx_type:
