@@ -29,12 +29,15 @@ def test_calibrate_mode_matches_transformers(pair):
     assert (ours - ref).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("fast_path", [None, False], ids=["eager-fast-path", "static-layout"])
 @pytest.mark.parametrize("prefill_len", [4, 7])
-def test_chunked_prefill_then_decode_matches_transformers(pair, prefill_len):
+def test_chunked_prefill_then_decode_matches_transformers(pair, prefill_len, fast_path):
+    """Both ways the runner drives the eager decoder: its fast path (filled cache slots, fused
+    attention) and the static device layout with the exported graph's ops."""
     hf, model = pair
     context = 32
     tokens = torch.randint(0, model.config.vocab_size, (1, 27), generator=torch.Generator().manual_seed(2))
-    runner = StaticRunner(model.config, {1: model, prefill_len: model}, context)
+    runner = StaticRunner(model.config, {1: model, prefill_len: model}, context, fast_path=fast_path)
     # 17 prompt tokens through AR-N chunks (the last one padded), then 10 AR-1 decode steps.
     logits = [runner.feed(tokens[0, :17].tolist())]
     for t in tokens[0, 17:].tolist():

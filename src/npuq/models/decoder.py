@@ -110,7 +110,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, k_cache=None, v_cache=None):
+    def forward(self, x, cos, sin, mask, k_cache=None, v_cache=None, fused=False):
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         G = H // KV  # query heads per KV head
@@ -124,6 +124,12 @@ class Attention(nn.Module):
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         k_new = k.transpose(2, 3)  # (B, KV, D, T)
+        if fused:  # eager only (StaticDecoder.forward): the same attention as one kernel
+            keys = k if k_cache is None else torch.cat([k_cache.transpose(2, 3), k], dim=2)  # (B, KV, S, D)
+            values = v if v_cache is None else torch.cat([v_cache, v], dim=2)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=self.scale,
+                                                 enable_gqa=True)  # query head h reads KV head h // G
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D)), k_new, v
         keys = k_new if k_cache is None else torch.cat([k_cache, k_new], dim=-1)  # (B, KV, D, S)
         values = v if v_cache is None else torch.cat([v_cache, v], dim=2)  # (B, KV, S, D)
         # Grouped-query attention without copying K/V: query heads h = kv·G + g share KV head kv.
@@ -166,8 +172,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, mask, k_cache=None, v_cache=None):
-        attn, k_new, v_new = self.self_attn(self.input_layernorm(h), cos, sin, mask, k_cache, v_cache)
+    def forward(self, h, cos, sin, mask, k_cache=None, v_cache=None, fused=False):
+        attn, k_new, v_new = self.self_attn(self.input_layernorm(h), cos, sin, mask, k_cache, v_cache, fused)
         if self.sandwich:
             h = h + self.post_attention_layernorm(attn)
             h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
@@ -205,10 +211,19 @@ class StaticDecoder(nn.Module):
     def mask_channels(self) -> int:
         return 2 if self.config.has_sliding_layers else 1
 
-    def forward(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *caches: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *caches: torch.Tensor,
+                fused_attention: bool = False):
+        """The graph (module docstring). ``fused_attention``, for eager calls only (the runner's
+        float decode): each layer's attention as one ``scaled_dot_product_attention`` instead of
+        the graph's matmul, mask add, softmax and matmul: the same math within fp32 rounding, and
+        one OpenMP region per layer instead of three, which at two or more threads on a busy host
+        decides a decode step's time. Exported graphs never take it: the quantizer and the ONNX
+        lowering see the explicit ops."""
         n = self.config.num_layers
         if caches and len(caches) != 2 * n:
             raise ValueError(f"expected {2 * n} cache tensors (K then V per layer), got {len(caches)}")
+        if fused_attention and torch.compiler.is_exporting():
+            raise ValueError("fused_attention is for eager calls: exported graphs keep the explicit attention ops")
         k_caches, v_caches = (caches[:n], caches[n:]) if caches else ((None,) * n, (None,) * n)
         h = self.embed_tokens(tokens)  # (B, T, hidden)
         if self.config.embed_scale != 1.0:
@@ -222,9 +237,9 @@ class StaticDecoder(nn.Module):
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             if layer.sliding:
                 lc, ls = (local_cos, local_sin) if self.config.local_rope is not None else (cos, sin)
-                h, k_new, v_new = layer(h, lc, ls, sliding_mask, k_cache, v_cache)
+                h, k_new, v_new = layer(h, lc, ls, sliding_mask, k_cache, v_cache, fused_attention)
             else:
-                h, k_new, v_new = layer(h, cos, sin, full_mask, k_cache, v_cache)
+                h, k_new, v_new = layer(h, cos, sin, full_mask, k_cache, v_cache, fused_attention)
             k_out.append(k_new)
             v_out.append(v_new)
         logits = self.lm_head(self.norm(h))  # (B, T, V)

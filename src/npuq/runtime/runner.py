@@ -1,23 +1,38 @@
 """Drive the static graphs the way a device runner does.
 
 The runner owns the KV cache: one K store (B, KV, D, ctx) and one V store (B, KV, ctx, D) per
-layer, filled left to right (slot j holds position j). A graph of ar_len T sees the first
-C = ctx - T slots; after each call the runner copies the graph's new K/V entries into the
-slots of the real (not padded) tokens. Graphs are plain callables taking and returning torch
-tensors, so the same runner drives the eager module, an exported program or an ONNX session.
-Every tensor the runner builds (mask, positions, caches, token ids) lives on the device of the
-tokens it is given or the ``device`` it is created for, never implicitly on the CPU.
+layer (views of one tensor for all layers), filled left to right (slot j holds position j). A
+graph of ar_len T sees the first C = ctx - T slots; after each call the runner copies the
+graph's new K/V entries into the slots of the real (not padded) tokens. Graphs are plain
+callables taking and returning torch tensors, so the same runner drives the eager module, an
+exported program or an ONNX session. Every tensor the runner builds (mask, positions, caches,
+token ids) lives on the device of the tokens it is given or the ``device`` it is created for,
+never implicitly on the CPU.
+
+A prompt goes through prefill chunks (the last one padded); a single token, every step of
+generation, goes through the decode graph: padding it to a prefill chunk costs N tokens of
+compute for one (with N = 32 that made float generation ~3x slower than transformers).
+
+The eager float decoder (a :class:`StaticDecoder` itself, not an exported program) runs a
+fast path: it takes any cache length, so it is given only the n_past filled slots and a mask
+over just those keys and the new tokens, instead of all C (a step attends to the filled prefix
+as transformers does), and its attention runs as one fused kernel per layer
+(``fused_attention``: at two threads on a busy host the graph's three OpenMP regions per layer
+doubled a decode step). The slots it skips are masked in the static layout (weight
+exp(MASK_VALUE + score - max), which underflows to exactly 0 in fp32), so the logits are the
+static layout's within fp32 rounding (tests/runtime/test_runner_decode_path.py). Exported
+programs and ONNX sessions always get the fixed device layout and run their own ops.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
-from npuq.models.decoder import MASK_VALUE
+from npuq.models.decoder import MASK_VALUE, StaticDecoder
 
 Graph = Callable[..., Sequence[torch.Tensor]]
 
@@ -109,36 +124,51 @@ class StaticRunner:
     """Runs a prompt through prefill (AR-N) chunks and then AR-1 decode steps.
 
     ``graphs`` maps ar_len → callable; it must contain ar_len 1 (decode) and may contain one
-    prefill length N. Tokens that do not fill a whole prefill chunk near the end of the
-    context go through decode steps instead. The KV cache, token ids, mask and positions live
-    on ``device``, where the graphs' weights must be (an ONNX session takes and returns CPU
+    prefill length N. A feed of a single token, and tokens that do not fill a whole prefill
+    chunk near the end of the context, go through decode steps; longer feeds go through
+    prefill chunks, the last one padded. The KV cache, token ids, mask and positions live on
+    ``device``, where the graphs' weights must be (an ONNX session takes and returns CPU
     tensors: keep the CPU).
+
+    ``fast_path`` (module docstring: only the filled cache slots, fused attention): None
+    (default) for the graphs that are the eager :class:`StaticDecoder`; False: every graph gets
+    the static device layout and runs the exported graph's ops, as a device would.
     """
 
     def __init__(self, cfg: ModelConfig, graphs: dict[int, Graph], context: int, batch: int = 1,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", fast_path: bool | None = None):
         if 1 not in graphs:
             raise ValueError("the runner needs a decode graph (ar_len 1)")
         self.cfg, self.graphs, self.context, self.batch = cfg, graphs, context, batch
         self.device = torch.device(device)
         self.prefill_len = max(graphs)
+        self.fast_path = {T: isinstance(g, StaticDecoder) and fast_path is not False for T, g in graphs.items()}
         KV, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
-        self.k = [torch.zeros(batch, KV, D, context, device=self.device) for _ in range(L)]  # (B, KV, D, ctx)
-        self.v = [torch.zeros(batch, KV, context, D, device=self.device) for _ in range(L)]  # (B, KV, ctx, D)
+        # One store per kind for all layers, so a call's cache views and writes are one op each
+        # rather than one per layer; self.k[i] / self.v[i] are layer i's views of it.
+        self._k_store = torch.zeros(L, batch, KV, D, context, device=self.device)  # (L, B, KV, D, ctx)
+        self._v_store = torch.zeros(L, batch, KV, context, D, device=self.device)  # (L, B, KV, ctx, D)
+        # (indexing, not unbind: torch's lazy backend, the device tests' stand-in, breaks on unbind views)
+        self.k = [self._k_store[i] for i in range(L)]  # (B, KV, D, ctx) per layer
+        self.v = [self._v_store[i] for i in range(L)]  # (B, KV, ctx, D) per layer
         self.n_past = 0
 
     def _call(self, tokens: torch.Tensor, n_real: int) -> torch.Tensor:
         T = tokens.shape[1]
-        C = self.context - T
-        inputs = step_inputs(self.cfg, tokens, self.n_past, self.context, n_real)
+        if self.n_past + T > self.context:
+            raise ValueError(f"{self.n_past} cached tokens do not fit a cache of {self.context - T} slots")
+        # The static layout: C = ctx - T slots, of which the first n_past are filled. Fast path:
+        # the same call as if the context were n_past + T (the first n_past slots, all filled).
+        fast = self.fast_path[T]
+        C = self.n_past if fast else self.context - T
+        inputs = step_inputs(self.cfg, tokens, self.n_past, C + T, n_real)
         caches = [k[..., :C] for k in self.k] + [v[:, :, :C] for v in self.v]
         with torch.no_grad():
-            out = self.graphs[T](*inputs, *caches)
+            out = self.graphs[T](*inputs, *caches, fused_attention=True) if fast else self.graphs[T](*inputs, *caches)
         L = self.cfg.num_layers
         start, end = self.n_past, self.n_past + n_real
-        for i in range(L):
-            self.k[i][..., start:end] = out[1 + i][..., :n_real]
-            self.v[i][:, :, start:end] = out[1 + L + i][:, :, :n_real]
+        self._k_store[..., start:end] = torch.stack(out[1 : 1 + L])[..., :n_real]  # (L, B, KV, D, n_real)
+        self._v_store[:, :, :, start:end] = torch.stack(out[1 + L : 1 + 2 * L])[:, :, :, :n_real]
         self.n_past = end
         return out[0][:, :n_real]  # (B, n_real, V)
 
@@ -153,16 +183,16 @@ class StaticRunner:
         logits, i, N = [], 0, self.prefill_len
         while i < len(token_ids):
             chunk = ids[:, i : i + N]
-            if N > 1 and self.n_past + N <= self.context:
-                n_real = chunk.shape[1]
+            n_real = chunk.shape[1]
+            if N > 1 and n_real > 1 and self.n_past + N <= self.context:
                 if n_real < N:  # pad the last chunk; padded entries never reach the cache
                     chunk = torch.cat([chunk, chunk.new_zeros(self.batch, N - n_real)], dim=1)
                 logits.append(self._call(chunk, n_real))
                 i += n_real
-            else:
+            else:  # one token (a generation step), or no room for a whole chunk: AR-1
                 logits.append(self._call(ids[:, i : i + 1], 1))
                 i += 1
-        return torch.cat(logits, dim=1)
+        return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
 
 
 def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens: torch.Tensor) -> torch.Tensor:
