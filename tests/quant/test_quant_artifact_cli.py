@@ -29,7 +29,8 @@ def quantized():
 
 def test_save_load_round_trip(tmp_path, quantized):
     out = save_artifact(quantized, tmp_path / "art", extra_config={"note": "test"})
-    assert sorted(os.listdir(out)) == ["config.json", "decode.pt2", "encodings.json", "prefill.pt2"]
+    assert sorted(os.listdir(out)) == ["config.json", "decode.json", "encodings.json", "prefill.json",
+                                       "weights.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["art"]  # no temporary folder left behind
     loaded = load_artifact(out)
     tokens = torch.randint(3, quantized.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
@@ -38,7 +39,7 @@ def test_save_load_round_trip(tmp_path, quantized):
     assert torch.equal(as_saved.logits(tokens), quantized.logits(tokens))
     assert any(n.target == torch.ops.quantized_decomposed.dequantize_per_channel.default for n in as_saved.decode.graph.nodes)
     assert not any(n.target == torch.ops.quantized_decomposed.dequantize_per_channel.default for n in loaded.decode.graph.nodes)
-    assert kv_io_qparams(loaded.decode, 2) == kv_io_qparams(quantized.decode, 2)
+    assert kv_io_qparams(as_saved.decode, 2) == kv_io_qparams(quantized.decode, 2)
     config = json.loads((out / "config.json").read_text())
     assert config["note"] == "test" and config["context"] == CONTEXT
     assert config["programs"]["prefill"]["ar_len"] == 4
@@ -74,7 +75,7 @@ def test_existing_folder_needs_force(tmp_path, quantized):
         save_artifact(quantized, target)
     assert (target / "old.txt").exists()
     save_artifact(quantized, target, force=True)
-    assert not (target / "old.txt").exists() and (target / "decode.pt2").exists()
+    assert not (target / "old.txt").exists() and (target / "decode.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["art"]
 
 

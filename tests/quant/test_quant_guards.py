@@ -1,13 +1,10 @@
 """Guards around the artifact: calibration memory (a smaller batch, same encodings), free disk
-before writing, file names that must stay inside the folder, and programs whose archive would
-make torch unpickle or run code."""
+before writing, file names that must stay inside the folder, program files that are not what npuq
+writes (unknown ops, forward references, odd values), artifacts of the previous format."""
 
-import contextlib
-import io
 import json
 import re
 import shutil
-import zipfile
 from collections import namedtuple
 from pathlib import Path
 
@@ -103,18 +100,22 @@ def _set_program_file(folder: Path, name: str) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink"])
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "weights"])
 def test_program_outside_the_artifact_is_refused(tiny_folders, tmp_path, capsys, kind):
     art = _copy(tiny_folders.artifact, tmp_path)
-    outside = tmp_path / "elsewhere.pt2"
-    shutil.copy(art / "decode.pt2", outside)  # a real program: only the location is wrong
+    outside = tmp_path / "elsewhere.json"
+    shutil.copy(art / "decode.json", outside)  # a real program: only the location is wrong
     if kind == "dotdot":
-        _set_program_file(art, "../elsewhere.pt2")
+        _set_program_file(art, "../elsewhere.json")
     elif kind == "absolute":
         _set_program_file(art, str(outside))
+    elif kind == "symlink":
+        (art / "decode.json").unlink()
+        (art / "decode.json").symlink_to(outside)
     else:
-        (art / "decode.pt2").unlink()
-        (art / "decode.pt2").symlink_to(outside)
+        config = json.loads((art / "config.json").read_text())
+        config["weights"] = "../weights.safetensors"
+        (art / "config.json").write_text(json.dumps(config))
     message = "is a link to" if kind == "symlink" else "points outside"
     with pytest.raises(NpuqError, match=message):
         read_artifact(art)
@@ -126,6 +127,15 @@ def test_program_outside_the_artifact_is_refused(tiny_folders, tmp_path, capsys,
     assert err.count("\n") == 1 and message in err
 
 
+def test_a_program_naming_a_weights_file_outside_is_refused(tiny_folders, tmp_path):
+    art = _copy(tiny_folders.artifact, tmp_path)
+    program = json.loads((art / "decode.json").read_text())
+    program["weights"] = "../weights.safetensors"
+    (art / "decode.json").write_text(json.dumps(program))
+    with pytest.raises(NpuqError, match="points outside"):
+        load_program(art / "decode.json")
+
+
 def test_damaged_encodings_are_refused_before_the_programs_load(tiny_folders, tmp_path, monkeypatch):
     art = _copy(tiny_folders.artifact, tmp_path)
     enc = json.loads((art / "encodings.json").read_text())
@@ -133,67 +143,78 @@ def test_damaged_encodings_are_refused_before_the_programs_load(tiny_folders, tm
     (art / "encodings.json").write_text(json.dumps(enc))
     import npuq.quantize.artifact as artifact_mod
 
-    monkeypatch.setattr(artifact_mod, "load_program", lambda path: pytest.fail("loaded a program first"))
+    monkeypatch.setattr(artifact_mod, "load_program", lambda *a, **k: pytest.fail("loaded a program first"))
+    monkeypatch.setattr(artifact_mod, "read_weights", lambda *a, **k: pytest.fail("read the weights first"))
     name = enc["activation_encodings"][3]["name"]
     with pytest.raises(NpuqError, match=rf"activation_encodings\[3\] \({re.escape(name)}\): every scale must be"):
         load_artifact(art)
 
 
-# --------------------------------------------------------------------------- pickle in programs
-def _rewrite(src: Path, dst: Path, change) -> None:
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
-        for item in zin.infolist():
-            data = change(item.filename, zin.read(item.filename))
-            if data is not None:
-                zout.writestr(item, data)
+# --------------------------------------------------------------------------- program files
+def _edit_program(tiny_folders, tmp_path, change) -> Path:
+    art = _copy(tiny_folders.artifact, tmp_path)
+    program = json.loads((art / "decode.json").read_text())
+    change(program)
+    (art / "decode.json").write_text(json.dumps(program))
+    return art
 
 
-class _Touch:
-    """Unpickling this creates a file: proof that code from the archive ran."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
+def _first(program, op="call_function"):
+    return next(n for n in program["nodes"] if n["op"] == op)
 
 
-def test_sample_inputs_with_code_are_refused_and_never_run(tiny_folders, tmp_path):
-    marker = tmp_path / "code-ran"
-    buf = io.BytesIO()
-    torch.save((_Touch(marker),), buf)
-    evil = tmp_path / "decode.pt2"
-    _rewrite(tiny_folders.artifact / "decode.pt2", evil,
-             lambda name, data: buf.getvalue() if name.endswith("data/sample_inputs/model.pt") else data)
-    with pytest.raises(NpuqError, match="pickled object other than plain tensors; refusing to unpickle"):
-        load_program(evil)
-    assert not marker.exists()
-    # The danger is real: torch.export.load alone falls back to a full unpickle and runs it. (Its
-    # warning about the fallback has a broken format string, which pytest's log capture raises.)
-    with contextlib.suppress(TypeError):
-        torch.export.load(evil)
-    assert marker.exists()
+def _set(node, **fields):
+    node.update(fields)
 
 
-def test_pickled_payloads_and_compiled_code_are_refused_unread(tiny_folders, tmp_path):
-    src = tiny_folders.artifact / "decode.pt2"
+@pytest.mark.parametrize("change,message", [
+    (lambda p: _set(_first(p), target="builtins::eval.default"), "is not an op of aten"),
+    (lambda p: _set(_first(p), target="aten::__class__.default"), "is not an op of aten"),
+    (lambda p: _set(_first(p), target="aten::no_such_op.default"), "unknown op"),
+    (lambda p: _set(_first(p), target="os.system"), "is not an op of aten"),
+    (lambda p: _set(_first(p), args=[{"node": "output"}]), "is not one npuq writes"),  # a later node
+    (lambda p: _set(_first(p), args=[{"eval": "1"}]), "is not one npuq writes"),
+    (lambda p: _set(_first(p), name="x; import os"), "is not a new identifier"),
+    (lambda p: _set(_first(p, "get_attr"), target="__class__.__init__"), "is not in 'tensors'"),
+    (lambda p: p["tensors"].update({"a.b": {"key": "missing", "dtype": "int8"}}), "does not hold"),
+    (lambda p: _set(_first(p, "placeholder"), val=[[1, -1], "int64"]), "is not \\[shape, dtype\\]"),
+    (lambda p: _set(_first(p), op="call_module"), "op kind 'call_module'"),
+    (lambda p: p.update(format="npuq-graph/0"), "is not 'npuq-graph/1'"),
+    (lambda p: p["nodes"].pop(), "has no output"),
+])
+def test_program_files_npuq_did_not_write_are_refused(tiny_folders, tmp_path, change, message):
+    art = _edit_program(tiny_folders, tmp_path, change)
+    with pytest.raises(NpuqError, match=message):
+        load_program(art / "decode.json")
+    with pytest.raises(NpuqError, match=message):
+        load_artifact(art)
 
-    def mark_pickled(name, data):
-        if name.endswith("_weights_config.json"):
-            config = json.loads(data)
-            first = next(iter(config["config"].values()))
-            first["use_pickle"] = True
-            return json.dumps(config).encode()
-        return data
 
-    _rewrite(src, tmp_path / "pickled.pt2", mark_pickled)
-    with pytest.raises(NpuqError, match="stored as a pickled object"):
-        load_program(tmp_path / "pickled.pt2")
-    with zipfile.ZipFile(src) as z:
-        root = z.namelist()[0].split("/")[0]
-    shutil.copy(src, tmp_path / "aoti.pt2")
-    with zipfile.ZipFile(tmp_path / "aoti.pt2", "a") as z:
-        z.writestr(f"{root}/data/aotinductor/model/model.so", b"\x7fELF")
-    with pytest.raises(NpuqError, match="holds data/aotinductor/model/model.so, which loading would"):
-        load_program(tmp_path / "aoti.pt2")
-    assert isinstance(load_program(src), torch.export.ExportedProgram)  # npuq's own programs pass
+def test_a_damaged_weights_file_is_refused(tiny_folders, tmp_path):
+    art = _copy(tiny_folders.artifact, tmp_path)
+    data = (art / "weights.safetensors").read_bytes()
+    (art / "weights.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(NpuqError, match="not a readable weights file"):
+        load_artifact(art)
+    (art / "weights.safetensors").write_bytes(b"\x80\x04K\x01.")  # a pickle is not safetensors either
+    with pytest.raises(NpuqError, match="not a readable weights file"):
+        load_program(art / "decode.json")
+
+
+def test_npuqs_own_programs_load_as_static_graph_modules(tiny_folders):
+    program = load_program(tiny_folders.artifact / "decode.json")
+    assert isinstance(program, torch.fx.GraphModule)
+    assert [tuple(n.meta["val"].shape) for n in program.graph.nodes if n.op == "placeholder"][:2] == [(1, 1), (1, 1, 1, 16)]
+
+
+def test_an_artifact_of_the_previous_format_asks_to_quantize_again(tiny_folders, tmp_path, capsys):
+    art = _copy(tiny_folders.artifact, tmp_path)
+    config = json.loads((art / "config.json").read_text())
+    config["format"] = "npuq-quantized/1"
+    config["programs"] = {"decode": {"file": "decode.pt2", "ar_len": 1}, "prefill": {"file": "prefill.pt2", "ar_len": 4}}
+    (art / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NpuqError, match=r"format 'npuq-quantized/1' .* is not 'npuq-quantized/2', .*quantize the "
+                                        r"model again with this npuq"):
+        read_artifact(art)
+    assert main(["eval", "--artifact", str(art), "--context", "8"]) == 2
+    assert "quantize the model again" in capsys.readouterr().err

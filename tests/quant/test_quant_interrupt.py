@@ -34,11 +34,12 @@ if point == "calibrate":
         return real_calibrate(*args, **kwargs)
     pipeline.calibrate_onepass = calibrate
 elif point == "save":
-    real_save = torch.export.save
-    def save(program, path, *args, **kwargs):
-        real_save(program, path, *args, **kwargs)  # decode.pt2 is in the temporary folder now
+    import safetensors.torch
+    real_save = safetensors.torch.save_file
+    def save(*args, **kwargs):
+        real_save(*args, **kwargs)  # weights.safetensors is in the temporary folder now
         wait_for_signal()
-    torch.export.save = save
+    safetensors.torch.save_file = save
 sys.exit(cli.main(sys.argv[1:]))
 """
 

@@ -16,6 +16,7 @@ multipliers. Input-edge requantizations (the int16 second input of a matmul) are
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any
@@ -97,6 +98,57 @@ def collect_encodings(gm: GraphModule) -> dict[str, Any]:
         enc = {"name": name, "module": module, **observer_encoding(obs)}
         (params if is_param else acts).append(enc)
     return {"version": FORMAT_VERSION, "activation_encodings": acts, "param_encodings": params}
+
+
+def encodings_json(encodings: dict[str, Any]) -> str:
+    """``json.dumps(encodings, indent=1)``, character for character, in a fraction of its time.
+
+    With ``indent`` set, ``json`` encodes value by value in Python (its C encoder only serves
+    compact output): 2-3 s for the 17 MB of a 135M model's encodings. Here each list of numbers
+    is joined in one go, with the same spellings (``float.__repr__``, ``int.__repr__``, and
+    ``NaN``/``Infinity`` as ``json`` writes them), the same separators and the same escaping of
+    strings (``json``'s own ``ensure_ascii`` encoder); lists of numbers go through ``json``'s C
+    encoder (the spellings above) and are then split one number a line."""
+    from json.encoder import encode_basestring_ascii as string
+
+    def scalar(v: Any) -> str:
+        if v is True:
+            return "true"
+        if v is False:
+            return "false"
+        if v is None:
+            return "null"
+        if isinstance(v, int):
+            return int.__repr__(v)
+        if isinstance(v, float):
+            if v != v:
+                return "NaN"
+            if v in (math.inf, -math.inf):
+                return "Infinity" if v > 0 else "-Infinity"
+            return float.__repr__(v)
+        if isinstance(v, str):
+            return string(v)
+        raise TypeError(f"Object of type {type(v).__name__} is not JSON serializable")
+
+    def value(v: Any, level: int) -> str:
+        if isinstance(v, dict):
+            if not v:
+                return "{}"
+            inner = "\n" + " " * (level + 1)
+            items = (f"{string(k) if isinstance(k, str) else string(scalar(k))}: {value(x, level + 1)}" for k, x in v.items())
+            return "{" + inner + ("," + inner).join(items) + "\n" + " " * level + "}"
+        if isinstance(v, (list, tuple)):
+            if not v:
+                return "[]"
+            inner = "\n" + " " * (level + 1)
+            if set(map(type, v)) <= {int, float}:  # json's C encoder, then one item a line
+                items = json.dumps(v)[1:-1].split(", ")
+            else:
+                items = (value(x, level + 1) for x in v)
+            return "[" + inner + ("," + inner).join(items) + "\n" + " " * level + "]"
+        return scalar(v)
+
+    return value(encodings, 0)
 
 
 _ENC_TYPES = ("PER_TENSOR", "PER_CHANNEL", "LPBQ")

@@ -18,10 +18,18 @@ from torch.fx import GraphModule
 
 from npuq.calibrate.split import CalibrationWindows
 from npuq.models.config import ModelConfig
+from npuq.quant.graph import graph_inputs
 from npuq.quant.observers import check_observers
 from npuq.runtime.runner import StaticRunner, step_inputs
 
 Progress = Callable[[int], None]  # called with the number of tokens just calibrated
+
+
+def empty_caches(cfg: ModelConfig, batch: int, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """K then V caches of zero slots: (B, KV, D, 0) and (B, KV, 0, D) per layer."""
+    KV, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    return (tuple(torch.zeros(batch, KV, D, 0, device=device) for _ in range(L))
+            + tuple(torch.zeros(batch, KV, 0, D, device=device) for _ in range(L)))
 
 
 def calibrate_onepass(
@@ -29,16 +37,20 @@ def calibrate_onepass(
     progress: Progress | None = None,
 ) -> None:
     """Run the observed calibrate graph (dynamic B, T) on whole windows, ``batch_size`` per
-    forward, then the tail as its own shorter forward: no padded position reaches an observer."""
+    forward, then the tail as its own shorter forward: no padded position reaches an observer.
+    A graph with cache inputs (:func:`npuq.calibrate.graphs.calibration_view`) gets an empty
+    cache, so each window still starts from position 0 with nothing before it."""
     # Slices rather than Tensor.split: the same views, and split's confuse torch's lazy backend,
     # which the device tests use as a second device on CPU-only machines.
     full = windows.full
     batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
     batches += [windows.tail] if windows.tail is not None else []
+    with_cache = len(graph_inputs(graph)) > 3
     with torch.no_grad():
         for tokens in batches:
             T = tokens.shape[1]
-            graph(*step_inputs(cfg, tokens, 0, T))
+            caches = empty_caches(cfg, tokens.shape[0], tokens.device) if with_cache else ()
+            graph(*step_inputs(cfg, tokens, 0, T), *caches)
             check_observers(graph)
             if progress:
                 progress(tokens.numel())

@@ -1,43 +1,48 @@
 """The quantized artifact: a folder written atomically, and read back as a LogitsFn.
 
-    DIR/decode.pt2       converted decode program (AR-1), torch.export.save
-    DIR/prefill.pt2      converted prefill program (AR-N), same encodings
-    DIR/encodings.json   per-tensor encodings (npuq.calibrate.encodings)
-    DIR/config.json      every option, the recipe and what it matched, versions, the sha256 of
-                         the float weights, timings
+    DIR/decode.json          converted decode program (AR-1): its graph, as JSON
+    DIR/prefill.json         converted prefill program (AR-N), same encodings
+    DIR/weights.safetensors  the tensors of both programs, once (they share every weight)
+    DIR/encodings.json       per-tensor encodings (npuq.calibrate.encodings)
+    DIR/config.json          every option, the recipe and what it matched, versions, the sha256 of
+                             the float weights, timings
+
+The program files are npuq's own (:mod:`npuq.quantize.graphfile`): writing them takes no trace
+(the converted graphs are written as they are) and decode and prefill share one copy of the
+weights; format 1 held two ``torch.export`` archives, each with all the weights, made by tracing
+each program once more. An artifact of another format is refused with the advice to quantize
+again.
 
 The folder is assembled in a temporary sibling and renamed into place, so a reader never
 sees half an artifact; an existing DIR is refused unless ``force``, and then replaced only
 once the new one is complete, and only if the disk has room for it.
 
 Reading an artifact back trusts nothing in it: config.json and encodings.json are checked
-field by field, program file names must stay inside DIR, and a ``.pt2`` is loaded only if
-its archive holds no pickled payload (:func:`check_pt2_pickle_free`), with every tensor blob
-that torch does unpickle restricted to ``weights_only`` loading.
+field by field, file names must stay inside DIR, and the programs are rebuilt from checked JSON
+and safetensors data: nothing is unpickled and no code from the files runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.fx import GraphModule
 
 from npuq.fsio import atomic_dir, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
-from npuq.quantize.pt2e import QuantizedModel, fold_constant_dequant
+from npuq.calibrate.encodings import encodings_json
+from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, tensor_bytes, write_programs
+from npuq.quantize.pt2e import QuantizedModel, fold_constant_dequant, simplify_qdq
 from npuq.quant.recipe import Recipe
-from npuq.runtime.runner import example_inputs
 
-ARTIFACT_FORMAT = "npuq-quantized/1"
-PROGRAMS = {"decode": "decode.pt2", "prefill": "prefill.pt2"}
+ARTIFACT_FORMAT = "npuq-quantized/2"
+PROGRAMS = {"decode": "decode.json", "prefill": "prefill.json"}
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -46,7 +51,8 @@ def weights_sha256(model: torch.nn.Module) -> str:
     for name, t in sorted(model.state_dict().items()):
         t = t.detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
     return h.hexdigest()
 
 
@@ -68,22 +74,18 @@ def check_destination(out: str | os.PathLike, force: bool) -> Path:
     return path
 
 
-NODE_BYTES = 2048  # serialized graph per FX node in a .pt2 (tiny Llama: 1.02 MB for 530 nodes)
+NODE_BYTES = 600  # a node of a program file (SmolLM2-135M 16a8w: 13,000 nodes, 7.1 MB per program)
 
 
-def estimate_artifact_bytes(qm: QuantizedModel) -> int:
-    """Bytes the artifact folder will take: per program its tensors (stored uncompressed in the
-    .pt2 archive) plus the serialized graph, and the encodings.
-
-    Tiny Llama 16a8w: estimate 1.25 MB per program, written 1.18 MB.
-    """
-    total = len(json.dumps(qm.encodings, indent=1)) + 64 * 1024  # + config.json
-    for gm in (qm.decode, qm.prefill):
-        storages = {}
-        for t in list(gm.parameters()) + list(gm.buffers()):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        total += sum(storages.values()) + NODE_BYTES * len(gm.graph.nodes)
-    return total
+def estimate_artifact_bytes(qm: QuantizedModel, encodings_text: str | None = None) -> int:
+    """Bytes the artifact folder will take at most: the programs' tensors once (the weights file;
+    uint16 narrowing only makes it smaller), each program's graph, and the encodings
+    (``encodings_text``: their JSON, when already made)."""
+    if encodings_text is None:
+        encodings_text = encodings_json(qm.encodings)
+    total = len(encodings_text) + 64 * 1024  # + config.json
+    total += tensor_bytes([qm.decode, qm.prefill])
+    return total + sum(NODE_BYTES * len(gm.graph.nodes) for gm in (qm.decode, qm.prefill))
 
 
 def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = False,
@@ -92,21 +94,19 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
     from npuq.resources import check_free_disk
 
     final = check_destination(out, force)
-    check_free_disk(final, estimate_artifact_bytes(qm), f"the artifact {final}")
+    encodings_text = encodings_json(qm.encodings)  # what json.dumps(indent=1) writes, made faster
+    check_free_disk(final, estimate_artifact_bytes(qm, encodings_text), f"the artifact {final}")
     with atomic_dir(final) as tmp:
         cfg = qm.config
-        for kind, filename in PROGRAMS.items():
-            module = qm.decode if kind == "decode" else qm.prefill
-            ar_len = 1 if kind == "decode" else qm.prefill_len
-            program = torch.export.export(module, example_inputs(cfg, kind, qm.context, ar_len))
-            torch.export.save(program, tmp / filename)
-        (tmp / "encodings.json").write_text(json.dumps(qm.encodings, indent=1) + "\n", encoding="utf-8")
+        write_programs({"decode": qm.decode, "prefill": qm.prefill}, tmp, PROGRAMS, WEIGHTS_FILE)
+        (tmp / "encodings.json").write_text(encodings_text + "\n", encoding="utf-8")
         config = {
             "format": ARTIFACT_FORMAT,
             **(extra_config or {}),
             "model_config": cfg.to_dict(),
             "context": qm.context,
             "programs": {k: {"file": f, "ar_len": 1 if k == "decode" else qm.prefill_len} for k, f in PROGRAMS.items()},
+            "weights": WEIGHTS_FILE,
             "recipe": qm.recipe.to_dict(),
             "recipe_plan": qm.plan.to_list() if qm.plan is not None else None,
             "stats": qm.stats,
@@ -160,6 +160,9 @@ def read_artifact(folder: str | os.PathLike) -> dict[str, Any]:
         if isinstance(ar_len, bool) or not isinstance(ar_len, int) or not 1 <= ar_len <= limit:
             raise NpuqError(f"{where}: the {kind} program's ar_len {ar_len!r:.40} is not a whole number from 1 to "
                             f"{limit}; {again}")
+    weights = resolve_inside(path, config.get("weights"), f"{where}, weights")
+    if not weights.is_file():
+        raise NpuqError(f"{where}: {config['weights']} is missing; the artifact is incomplete, {again}")
     for key in ("model", "versions", "stats", "calibration"):
         if key in config and not isinstance(config[key], dict):
             raise NpuqError(f"{where}: {key!r} is not an object; {again}")
@@ -176,73 +179,22 @@ def program_path(folder: str | os.PathLike, config: dict[str, Any], kind: str) -
     return resolve_inside(folder, config["programs"][kind]["file"], f"--artifact {folder}, {kind} program")
 
 
-# torch.export.load unpickles some payloads with weights_only=False (pickled weights and
-# constants, custom and opaque objects, and as a fallback when a weights_only load fails) and
-# loads compiled AOTInductor libraries: any of them runs code from the file. torch.export.save
-# writes none of them for npuq's programs, so an archive that has one is refused unread.
-_PT2_CODE_DIRS = ("data/aotinductor/", "data/executorch/", "data/mtia", "xl_model_weights/")
-_PT2_CONFIGS = (("data/weights/", "_weights_config.json", "weight_"),
-                ("data/constants/", "_constants_config.json", "tensor_"))
+def weights_path(folder: str | os.PathLike, config: dict[str, Any]) -> Path:
+    """The weights file the programs of an artifact read by :func:`read_artifact` share."""
+    return resolve_inside(folder, config["weights"], f"--artifact {folder}, weights")
 
 
-def check_pt2_pickle_free(path: Path) -> None:
-    """Refuse a ``.pt2`` archive that would make torch.export.load unpickle or load code."""
+def load_program(path: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> GraphModule:
+    """A program saved by :func:`save_artifact`: a static GraphModule taking (tokens, mask,
+    positions, K caches, V caches) and returning (logits, K news, V news), with every node's
+    ``meta["val"]`` (shape and dtype). Built from checked data only (see
+    :mod:`npuq.quantize.graphfile`); ``tensors``: the artifact's weights, already read
+    (:func:`npuq.quantize.graphfile.read_weights`), to share them between programs."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            # The archive has one root folder (the program's name); torch reads names below it.
-            names = {n.split("/", 1)[1]: n for n in archive.namelist() if "/" in n}
-            if not any(n.startswith("models/") and n.endswith(".json") for n in names):
-                raise NpuqError(f"{path}: not a torch.export archive of the current format (no models/*.json); "
-                                "quantize again")
-            for name in names:
-                pickled = name.endswith(".pt") and not name.startswith("data/sample_inputs/")
-                if pickled or name.startswith(_PT2_CODE_DIRS) or name.endswith((".so", ".dll", ".dylib")):
-                    raise NpuqError(f"{path}: the archive holds {name}, which loading would unpickle or execute; "
-                                    "refusing it (npuq never writes one): quantize again")
-            for folder, suffix, prefix in _PT2_CONFIGS:
-                for name in (n for n in names if n.startswith(folder) and n.endswith(suffix)):
-                    payloads = json.loads(archive.read(names[name])).get("config", {})
-                    for fqn, meta in payloads.items():
-                        if meta.get("use_pickle") or not str(meta.get("path_name", "")).startswith(prefix):
-                            raise NpuqError(f"{path}: {fqn} is stored as a pickled object, which loading would "
-                                            "unpickle; refusing it (npuq never writes one): quantize again")
+        return read_program(Path(path), tensors)
     except NpuqError:
         raise
-    except (zipfile.BadZipFile, OSError, KeyError, ValueError, AttributeError, TypeError, RecursionError) as exc:
-        raise NpuqError(f"{path}: not a readable program archive ({type(exc).__name__}: {exc}); quantize again") from None
-
-
-@contextlib.contextmanager
-def _weights_only_loads() -> Iterator[None]:
-    """Make every torch.load in the block restricted to tensors and plain containers
-    (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which torch reads at each call), whatever the caller asks."""
-    saved = {k: os.environ.get(k) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def load_program(path: Path) -> torch.export.ExportedProgram:
-    """A program saved by :func:`save_artifact`, loaded without running code from the file."""
-    import pickle
-
-    import torchao.quantization.pt2e  # noqa: F401  (registers the quantized_decomposed ops)
-
-    check_pt2_pickle_free(path)
-    try:
-        with _weights_only_loads():
-            return torch.export.load(path)
-    except pickle.UnpicklingError:
-        raise NpuqError(f"{path}: the archive holds a pickled object other than plain tensors; refusing to unpickle "
-                        "it (that could run code from the file): quantize again") from None
-    except Exception as exc:  # torch raises many types for a damaged or foreign file
+    except Exception as exc:  # a damaged file must not surface as a traceback
         raise NpuqError(f"{path}: cannot load the program ({type(exc).__name__}: {exc}); quantize again") from None
 
 
@@ -251,18 +203,23 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True) -> Qua
     decode programs from an empty cache (a LogitsFn for npuq.eval).
 
     ``fold_constants`` dequantizes the integer weights once at load time instead of at every
-    call (:func:`npuq.quantize.pt2e.fold_constant_dequant`): same numbers, a faster CPU
-    simulation, float-sized weights in memory. Pass False to keep the programs as saved.
+    call (:func:`npuq.quantize.pt2e.fold_constant_dequant`), once for both programs, and turns
+    the activations' quantize/dequantize pairs into cheaper ops that compute the same bits
+    (:func:`npuq.quantize.pt2e.simplify_qdq`): same numbers, a faster CPU simulation,
+    float-sized weights in memory. Pass False to keep the programs as saved (q/dq nodes and all,
+    what the lowering reads).
     """
     from npuq.calibrate.encodings import read_encodings
 
     path = Path(folder)
     config = read_artifact(path)
     encodings = read_encodings(path / "encodings.json")  # checked before the slow program loads
+    tensors = read_weights(weights_path(path, config))
+    folded: dict[Any, Any] = {}  # shared by both programs
     programs = {}
     for kind in ("decode", "prefill"):
-        module = load_program(program_path(path, config, kind)).module()
-        programs[kind] = fold_constant_dequant(module) if fold_constants else module
+        module = load_program(program_path(path, config, kind), tensors)
+        programs[kind] = simplify_qdq(fold_constant_dequant(module, folded)) if fold_constants else module
     return QuantizedModel(
         config=ModelConfig.from_dict(config["model_config"]),
         context=int(config["context"]),

@@ -1,34 +1,44 @@
-"""quantize_model: export → prepare → calibrate → carry encodings → convert.
+"""quantize_model: export → prepare → calibrate → convert, one graph for every mode.
 
-    onepass     calibrate graph (T = L, dynamic batch/length) on whole windows; its observer
-                state is copied node by node into the decode and prefill graphs
-    sequential  the decode graph itself, token by token with its own KV cache; its state is
-                copied into the prefill graph
+The model is exported once, as the graph with cache inputs and symbolic batch, ar_len and cache
+length (:func:`npuq.calibrate.graphs.export_model_graph`), and prepared once. Calibration runs
+that prepared graph's own observers:
 
-Either way decode and prefill end with identical encodings, and each KV-cache input shares
-its observer with the matching K/V output (see npuq.quant.quantizer), so the encoding of a
-cache input equals that of the cache output the runner copies into it.
+    onepass     through :func:`npuq.calibrate.graphs.calibration_view` (T = L, no cache) on whole
+                windows, many per forward, and the tail as a forward of its own length
+    sequential  the graph itself as the decode graph, token by token with its own KV cache
+
+It is converted once, and the converted graph is specialised to the two static programs a
+device runs, decode (AR-1) and prefill (AR-N) at batch 1 (:func:`specialize`), which share the
+converted weights. Decode and prefill therefore have identical encodings by construction, and
+each KV-cache input shares its observer with the matching K/V output (see
+npuq.quant.quantizer), so the encoding of a cache input equals that of the cache output the
+runner copies into it. The result is the one the three-graph flow gave (a graph per mode,
+observer state copied node by node from the calibrate graph into decode and prefill), bit for
+bit: the same encodings.json and the same logits (``tests/quant/test_quant_onegraph.py``), at
+the cost of one export, one prepare and one convert instead of three, two and two.
 
 Export, prepare and convert run on the CPU; only the observed graph visits ``device`` for the
-calibration forwards (observers included) and comes back before its state is copied, so the
-programs and encodings hold CPU tensors whatever device calibrated them.
+calibration forwards (observers included) and comes back before convert, so the programs and
+encodings hold CPU tensors whatever device calibrated them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import Graph, GraphModule, Node
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from npuq.calibrate.encodings import collect_encodings
 from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
-from npuq.calibrate.graphs import export_graph
-from npuq.calibrate.transfer import copy_observer_state
+from npuq.calibrate.graphs import calibration_view, export_graph, export_model_graph, is_input_guard, is_shape_node
 from npuq.calibrate.split import CalibrationWindows, split_windows
 from npuq.device import device_of, is_cpu, move_graph
 from npuq.errors import NpuqError
@@ -37,7 +47,7 @@ from npuq.quant.observers import name_observers, pin_weight_scales
 from npuq.quant.quantizer import HtpQuantizer
 from npuq.quant.recipe import Recipe, RecipePlan
 from npuq.resources import available_memory, guard_calibration_batch
-from npuq.runtime.runner import run_programs
+from npuq.runtime.runner import example_inputs, run_programs
 from npuq.threads.scope import scope_or_keep
 
 CALIBRATION_MODES = ("onepass", "sequential")
@@ -78,21 +88,76 @@ class QuantizedModel:
         return run_programs(self.config, self.graphs(), self.context, tokens)
 
 
-def prepare_graph(
-    model: torch.nn.Module, recipe: Recipe, mode: str, context: int, ar_len: int | None = None,
-    weight_scales: dict[str, torch.Tensor] | None = None,
-) -> tuple[GraphModule, HtpQuantizer]:
-    """Export one graph and insert observers (and record which tensors each observer watches).
+@contextlib.contextmanager
+def _observer_names_in_linear_time() -> Iterator[None]:
+    """During ``prepare_pt2e``, name observers the way torch does, without its quadratic search.
 
-    ``weight_scales`` (linear module path → (O,) scales from SeqMSE/GPTQ) pin those weight
-    encodings instead of observing min/max.
-    """
-    quantizer = HtpQuantizer(recipe, model.config.num_layers)
-    prepared = prepare_pt2e(export_graph(model, mode, context, ar_len), quantizer)
+    torch's ``get_new_attr_name_with_prefix`` names the n-th observer by trying
+    ``activation_post_process_0``, ``_1``, ... until one is free: n ``hasattr`` calls each, about
+    two million for SmolLM2's 2,000 observers, most of a prepare. Within a prepare observers are
+    only ever added, so the first free index never goes down: the stand-in starts each search
+    where the last one ended (and still checks each name), which gives the same names. It is
+    swapped in for the block only, and only where torch has the function."""
+    import torch.ao.quantization.fx.prepare as fx_prepare
+
+    original = getattr(fx_prepare, "get_new_attr_name_with_prefix", None)
+    if original is None:
+        yield
+        return
+    start: dict[tuple[int, str], int] = {}
+
+    def get_new_attr_name_with_prefix(prefix: str):
+        prefix = prefix.replace(".", "_")
+
+        def get_new_attr_name(module: torch.nn.Module) -> str:
+            key = (id(module), prefix)
+            i = start.get(key, 0)
+            while hasattr(module, prefix + str(i)):
+                i += 1
+            start[key] = i
+            return prefix + str(i)
+
+        return get_new_attr_name
+
+    fx_prepare.get_new_attr_name_with_prefix = get_new_attr_name_with_prefix
+    try:
+        yield
+    finally:
+        fx_prepare.get_new_attr_name_with_prefix = original
+
+
+def _prepare(graph: GraphModule, recipe: Recipe, num_layers: int,
+             weight_scales: dict[str, torch.Tensor] | None) -> tuple[GraphModule, HtpQuantizer]:
+    quantizer = HtpQuantizer(recipe, num_layers)
+    with _observer_names_in_linear_time():
+        prepared = prepare_pt2e(graph, quantizer)
     name_observers(prepared)
     if weight_scales:
         pin_weight_scales(prepared, weight_scales)
     return prepared, quantizer
+
+
+def prepare_graph(
+    model: torch.nn.Module, recipe: Recipe, mode: str, context: int, ar_len: int | None = None,
+    weight_scales: dict[str, torch.Tensor] | None = None,
+) -> tuple[GraphModule, HtpQuantizer]:
+    """Export the graph of one mode by itself (:func:`npuq.calibrate.graphs.export_graph`) and
+    insert observers (and record which tensors each observer watches). The quantize flow
+    prepares one graph for every mode instead (:func:`prepare_model_graph`); this one is the
+    per-mode reference the tests compare it with.
+
+    ``weight_scales`` (linear module path → (O,) scales from SeqMSE/GPTQ) pin those weight
+    encodings instead of observing min/max.
+    """
+    return _prepare(export_graph(model, mode, context, ar_len), recipe, model.config.num_layers, weight_scales)
+
+
+def prepare_model_graph(
+    model: torch.nn.Module, recipe: Recipe, weight_scales: dict[str, torch.Tensor] | None = None,
+) -> tuple[GraphModule, HtpQuantizer]:
+    """The model's one graph (:func:`npuq.calibrate.graphs.export_model_graph`), prepared:
+    decode and prefill as it is, calibrate through :func:`npuq.calibrate.graphs.calibration_view`."""
+    return _prepare(export_model_graph(model), recipe, model.config.num_layers, weight_scales)
 
 
 def quantize_model(
@@ -114,7 +179,8 @@ def quantize_model(
     ``num_threads`` > 0 runs calibration at that many torch threads (restored afterwards);
     0 keeps the current count. ``weight_scales``: see :func:`prepare_graph`. ``device``: where
     the calibration forwards run (None: the CPU); the model itself must be on the CPU, where it
-    is exported. ``stats`` of the result holds the timings and counts the CLI reports.
+    is exported. ``stats`` of the result holds the timings and counts the CLI reports
+    (``prepare_seconds`` includes ``export_seconds``; ``convert_seconds`` the specialisation).
     """
     if mode not in CALIBRATION_MODES:
         raise NpuqError(f"unknown calibration mode {mode!r}; choose one of {', '.join(CALIBRATION_MODES)}")
@@ -126,42 +192,42 @@ def quantize_model(
     prefill_len = prefill_len or default_prefill_len(context)
     if not 1 <= prefill_len < context:
         raise NpuqError(f"prefill length {prefill_len} must be at least 1 and below the context {context}")
+    if num_threads < 0:
+        raise NpuqError(f"thread count {num_threads} is negative: give 0 for the current count or a positive number")
     windows = tokens if isinstance(tokens, CalibrationWindows) else split_windows(tokens, context)
     cfg = model.config
     start = time.perf_counter()
 
-    decode, quantizer = prepare_graph(model, recipe, "decode", context, weight_scales=weight_scales)
-    prefill, _ = prepare_graph(model, recipe, "prefill", context, prefill_len, weight_scales)
-    calib = prepare_graph(model, recipe, "calibrate", context, weight_scales=weight_scales)[0] if mode == "onepass" else None
+    graph = export_model_graph(model)
+    exported_at = time.perf_counter()
+    prepared, quantizer = _prepare(graph, recipe, cfg.num_layers, weight_scales)
+    observed = calibration_view(prepared) if mode == "onepass" else prepared
     prepared_at = time.perf_counter()
 
     bar = _progress_bar(windows.tokens, f"calibrating ({mode})") if progress else None
     update = bar.update if bar is not None else None
-    if num_threads < 0:
-        raise NpuqError(f"thread count {num_threads} is negative: give 0 for the current count or a positive number")
-    observed = calib if calib is not None else decode
     with scope_or_keep(num_threads) as threads:
         try:
             if not is_cpu(device):
                 move_graph(observed, device)
             data = windows.to(device)  # the same tensors on the CPU
-            if calib is not None:  # fewer windows per forward if the memory estimate says so
+            if mode == "onepass":  # fewer windows per forward if the memory estimate says so
                 batch_size = guard_calibration_batch(cfg, context, batch_size, available_memory(device)).batch
-                calibrate_onepass(calib, cfg, data, batch_size, update)
+                calibrate_onepass(observed, cfg, data, batch_size, update)
             else:
-                calibrate_sequential(decode, cfg, data, context, update)
+                calibrate_sequential(observed, cfg, data, context, update)
         finally:
             if not is_cpu(device):
                 move_graph(observed, "cpu")
             if bar is not None:
                 bar.close()
-        if calib is not None:
-            copy_observer_state(calib, decode)
-        copy_observer_state(decode, prefill)
+    del observed
     calibrated_at = time.perf_counter()
 
-    encodings = collect_encodings(decode)
-    decode_q, prefill_q = (drop_unused_tensors(convert_pt2e(gm)) for gm in (decode, prefill))
+    encodings = collect_encodings(prepared)
+    converted = convert(prepared)
+    decode = specialize(converted, example_inputs(cfg, "decode", context))
+    prefill = specialize(converted, example_inputs(cfg, "prefill", context, prefill_len))
     done = time.perf_counter()
     stats = {
         "scheme": recipe.default,
@@ -171,23 +237,228 @@ def quantize_model(
         "calibration_windows": len(windows.rows()),
         "context": context,
         "prefill_len": prefill_len,
+        "export_seconds": exported_at - start,
         "prepare_seconds": prepared_at - start,
         "calibration_seconds": calibrated_at - prepared_at,
         "convert_seconds": done - calibrated_at,
         "threads": threads,
         "device": str(device),
-        "batch_size": batch_size if calib is not None else 1,
+        "batch_size": batch_size if mode == "onepass" else 1,
     }
-    return QuantizedModel(cfg, context, prefill_len, decode_q, prefill_q, encodings, recipe, quantizer.plan, stats)
+    return QuantizedModel(cfg, context, prefill_len, decode, prefill, encodings, recipe, quantizer.plan, stats)
 
 
-def fold_constant_dequant(gm: GraphModule) -> GraphModule:
-    """Replace every dequantize op whose inputs are all constants (integer weights and their
-    scales) by its float result, computed once. The numbers are unchanged; a CPU simulation
-    then skips dequantizing every weight at every call (most of a prefill call's time)."""
+_QUANT_OPS = (torch.ops.quantized_decomposed.quantize_per_tensor.default,
+              torch.ops.quantized_decomposed.quantize_per_tensor.tensor,
+              torch.ops.quantized_decomposed.quantize_per_channel.default,
+              torch.ops.torchao.quantize_affine)
+_DEQUANT_OPS = (torch.ops.quantized_decomposed.dequantize_per_channel.default,
+                torch.ops.quantized_decomposed.dequantize_per_tensor.default,
+                torch.ops.quantized_decomposed.dequantize_per_tensor.tensor,
+                torch.ops.quantized_decomposed.convert_element_type.no_fuse,
+                torch.ops.torchao.dequantize_affine)
+
+
+def convert(prepared: GraphModule) -> GraphModule:
+    """``convert_pt2e`` with its weight folding done by :func:`fold_quantized_constants`, which
+    gives the same graph without computing what it then throws away, and without the tensors
+    no node reads any more (:func:`drop_unused_tensors`)."""
+    converted = convert_pt2e(prepared, fold_quantize=False)
+    fold_quantized_constants(converted)
+    return drop_unused_tensors(converted)
+
+
+def fold_quantized_constants(gm: GraphModule) -> None:
+    """What ``convert_pt2e(fold_quantize=True)`` does last (torchao's ``constant_fold`` with its
+    quantize-op constraint), computing only what it keeps: every quantize op whose input is
+    constant (a weight, possibly through pure ops) and whose result a non-constant node reads is
+    replaced by its integer result (``_frozen_param<i>``, in graph order, as torchao names them),
+    and what no node reads any more is removed. Dequantize ops stay in the graph, as there.
+    torchao's folder also runs each weight's dequantize (about a third of a convert), only to
+    decide not to fold it."""
+    from torchao.quantization.pt2e.constant_fold import replace_node_with_constant
+
     graph = gm.graph
+    constant: set[Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            constant.add(node)
+        elif (node.op == "call_function" and node.target not in _DEQUANT_OPS and node.all_input_nodes
+              and all(a in constant for a in node.all_input_nodes)
+              and not (isinstance(node.target, torch._ops.OpOverload)
+                       and torch.Tag.nondeterministic_seeded in node.target.tags)):
+            constant.add(node)
+    frontier = [n for n in graph.nodes if n in constant and n.op == "call_function" and n.target in _QUANT_OPS
+                and any(u not in constant for u in n.users)]
+    values: dict[Node, Any] = {}
+
+    def value(node: Node) -> Any:
+        if node not in values:
+            if node.op == "get_attr":
+                obj: Any = gm
+                for atom in node.target.split("."):
+                    obj = getattr(obj, atom)
+                values[node] = obj
+            else:
+                args = torch.fx.node.map_arg(node.args, value)
+                kwargs = torch.fx.node.map_arg(node.kwargs, value)
+                values[node] = node.target(*args, **kwargs)
+        return values[node]
+
+    with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+        for node in frontier:
+            replace_node_with_constant(gm, node, value(node))
+            values.clear()  # each weight is read once: keep memory to one weight at a time
+    for node in list(graph.find_nodes(op="get_attr")):
+        if not node.users:
+            if hasattr(gm, node.target):
+                delattr(gm, node.target)
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+
+
+def specialize(gm: GraphModule, inputs: Sequence[torch.Tensor]) -> GraphModule:
+    """A static program of ``gm`` (a graph with symbolic sizes) for inputs shaped like ``inputs``.
+
+    Every symbolic size is bound from the inputs' shapes; the nodes that compute sizes become the
+    numbers they compute, size checks are checked here and dropped, and every other node is
+    copied as it is (same op, same name, the same weights: nothing is copied but the graph), so
+    the program computes exactly what ``gm`` computes on such inputs, and exactly what a graph
+    traced at these static shapes computes. The inputs are plain positional tensors
+    (tokens, mask, positions, K caches, V caches) and every node's ``meta["val"]`` is a meta
+    tensor of its static shape and dtype (what the lowering reads).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise ValueError(f"{len(inputs)} inputs for a graph of {len(placeholders)}")
+    bindings: dict[Any, int] = {}
+    for node, x in zip(placeholders, inputs):
+        val = node.meta["val"]
+        if val.dim() != x.dim():
+            raise ValueError(f"input {node.name} has {x.dim()} dimensions, the graph's {val.dim()}")
+        for d, size in zip(val.shape, x.shape):
+            if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
+                if bindings.setdefault(d.node.expr, int(size)) != int(size):
+                    raise ValueError(f"input {node.name}: size {d} is {bindings[d.node.expr]} elsewhere, {size} here")
+
+    def concrete(value: Any) -> Any:
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            expr = value.node.expr.xreplace(bindings)
+            if not isinstance(expr, (int, bool)) and not (expr.is_number or expr.is_Boolean and not expr.free_symbols):
+                raise ValueError(f"size {value} is not fixed by the inputs' shapes")
+            kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(value)]
+            return kind(expr)
+        return value
+
+    for node, x in zip(placeholders, inputs):
+        if tuple(concrete(d) for d in node.meta["val"].shape) != tuple(x.shape):
+            raise ValueError(f"input {node.name} of shape {tuple(x.shape)} does not fit the graph's "
+                             f"{tuple(node.meta['val'].shape)}")
+
+    static = Graph()
+    env: dict[Node, Any] = {}
+    for node in gm.graph.nodes:
+        if is_input_guard(node):
+            continue
+        if is_shape_node(node):
+            if node.target == torch.ops.aten._assert_scalar.default:
+                check = node.args[0]
+                holds = concrete(check.meta["val"]) if isinstance(check, Node) else check
+                if not holds:
+                    raise ValueError(f"the inputs' shapes fail the graph's check {node.args[1:]}")
+            elif node.meta.get("val") is not None:
+                env[node] = concrete(node.meta["val"])
+            continue
+        if node.op == "output":
+            outputs = node.args[0]
+            static.output(tuple(env[a] for a in outputs) if isinstance(outputs, (list, tuple)) else env[outputs])
+            continue
+        copy = static.node_copy(node, env.__getitem__)
+        val = node.meta.get("val")
+        copy.meta.pop("val", None)
+        if isinstance(val, torch.Tensor):
+            copy.meta["val"] = torch.empty(tuple(concrete(d) for d in val.shape), dtype=val.dtype, device="meta")
+        env[node] = copy
+    from torch.fx.graph import CodeGen
+
+    static._codegen = CodeGen()  # plain positional inputs and a tuple of outputs
+    program = GraphModule(gm, static)
+    set_static_meta(program)
+    return program
+
+
+_DEQUANTIZE_DTYPE_KWARGS = ("out_dtype", "output_dtype")
+
+
+def set_static_meta(gm: GraphModule) -> None:
+    """Give every get_attr and call_function node of a static graph ``meta["val"]``, an empty
+    tensor on the meta device with the node's shape and dtype, from the placeholders' (which
+    must have one): quantize/dequantize ops keep their input's shape and take the dtype they
+    name; other ops get one from the op's meta kernel (no data is touched). Nodes it cannot work out keep none (the lowering then
+    propagates shapes itself). Nodes that have a tensor val already keep it."""
+    graph = gm.graph
+
+    def meta_of(arg: Any) -> Any:
+        if isinstance(arg, Node):
+            val = arg.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise LookupError(arg.name)
+            return val
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(meta_of(a) for a in arg)
+        if isinstance(arg, dict):
+            return {k: meta_of(v) for k, v in arg.items()}
+        return arg
+
+    for node in graph.nodes:
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        if node.op == "get_attr":
+            t = gm
+            for atom in node.target.split("."):
+                t = getattr(t, atom)
+            if isinstance(t, torch.Tensor):
+                node.meta["val"] = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+            continue
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        try:
+            if "quantize" in name and isinstance(node.args[0], Node):
+                x = meta_of(node.args[0])
+                if "dequantize" in name:
+                    dtype = next((node.kwargs[k] for k in _DEQUANTIZE_DTYPE_KWARGS if node.kwargs.get(k)), torch.float32)
+                else:
+                    dtype = next(a for a in node.args[1:] if isinstance(a, torch.dtype))
+                node.meta["val"] = torch.empty(tuple(x.shape), dtype=dtype, device="meta")
+                continue
+            with torch.no_grad():
+                out = node.target(*meta_of(node.args), **meta_of(dict(node.kwargs)))
+        except (LookupError, StopIteration, RuntimeError, TypeError, ValueError, NotImplementedError):
+            node.meta.pop("val", None)
+            continue
+        if isinstance(out, torch.Tensor):
+            node.meta["val"] = torch.empty(tuple(out.shape), dtype=out.dtype, device="meta")
+        else:
+            node.meta.pop("val", None)
+
+
+def fold_constant_dequant(gm: GraphModule, cache: dict[Any, Any] | None = None) -> GraphModule:
+    """Replace every quantize or dequantize op whose inputs are all constants (integer weights
+    and their scales; the float weights of LPBQ layers, which convert leaves to be quantized at
+    every call) by its result, computed once, in graph order, so a chain folds to its end. The
+    numbers are unchanged; a CPU simulation then skips (de)quantizing every weight at every call
+    (most of a prefill call's time).
+
+    ``cache`` (shared by programs over the same weight tensors, such as an artifact's decode
+    and prefill) keeps each result, keyed by the op and the identity of the tensors it reads,
+    so a weight read by several programs is dequantized, and held in memory, once."""
+    graph = gm.graph
+    cache = {} if cache is None else cache
     for node in list(graph.nodes):
-        if node.op != "call_function" or "dequantize" not in str(node.target):
+        if node.op != "call_function" or "quantize" not in str(node.target):
             continue
         if not node.all_input_nodes or any(a.op != "get_attr" for a in node.all_input_nodes):
             continue
@@ -202,17 +473,159 @@ def fold_constant_dequant(gm: GraphModule) -> GraphModule:
                 return type(arg)(value(a) for a in arg)
             return arg
 
-        with torch.no_grad():
-            result = node.target(*value(node.args), **{k: value(v) for k, v in node.kwargs.items()})
+        args, kwargs = value(node.args), {k: value(v) for k, v in node.kwargs.items()}
+        key = (node.target, _identity(args), _identity(kwargs))
+        if key not in cache:
+            with torch.no_grad():  # the inputs are kept with the result: no other tensor can take their ids
+                cache[key] = (node.target(*args, **kwargs).detach().contiguous(), args, kwargs)
+        result = cache[key][0]
         name = f"_folded_{node.name}"
-        gm.register_buffer(name, result.detach().contiguous())
+        gm.register_buffer(name, result)
         with graph.inserting_before(node):
             const = graph.get_attr(name)
+        const.meta = dict(node.meta)
         node.replace_all_uses_with(const)
         graph.erase_node(node)
     graph.eliminate_dead_code()
     gm.recompile()
     return drop_unused_tensors(gm)
+
+
+def _identity(value: Any) -> Any:
+    """A hashable key of an op's arguments: tensors by identity, everything else by value."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_identity(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _identity(v)) for k, v in value.items()))
+    return value
+
+
+_Q = torch.ops.quantized_decomposed.quantize_per_tensor.default
+_DQ = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+_CODE_RANGE = 1 << 21  # codes whose dequantized value re-quantizes to itself (see simplify_qdq)
+
+
+def _qparams(node: Node) -> tuple | None:
+    """(scale, zero point, qmin, qmax, dtype) of a per-tensor q/dq node with plain arguments."""
+    params = tuple(node.args[1:6])
+    if len(params) != 5 or not all(isinstance(p, (int, float)) for p in params[:4]) or not isinstance(params[4], torch.dtype):
+        return None
+    if node.target is _DQ and node.kwargs.get("out_dtype") not in (None, torch.float32):
+        return None
+    return params
+
+
+def _float32(node: Any) -> bool:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype == torch.float32
+
+
+def simplify_qdq(gm: GraphModule) -> GraphModule:
+    """Make a converted program cheaper to simulate on a CPU without changing a single bit of
+    what it computes from finite inputs (NaN aside). In a converted PT2E graph every activation
+    goes through ``quantize_per_tensor`` → ``dequantize_per_tensor``, two ops implemented in
+    Python (about 4,000 calls per SmolLM2 prefill call, most of its time). Here:
+
+    1. dequantize nodes that read the same quantize node with the same parameters (PT2E gives
+       every consumer its own) are merged into one;
+    2. a quantize → dequantize pair whose input already lies on its grid is dropped: the input
+       is a dequantize with the same parameters, through ops that only move values (views,
+       transposes, slices, same-dtype casts, concats of such inputs). A code c dequantizes to
+       v = fl((c - zp) · s), and fl(v · fl(1/s)) is within 3·2^-24·|c - zp| of c - zp, so it
+       rounds back to c as long as the code range is below 2^21 (16-bit codes are): the pair
+       gives v again;
+    3. every other pair becomes five in-place aten ops on one temporary,
+       ``t = x * (1/s); t.round_(); t.clamp_(qmin - zp, qmax - zp); t.mul_(s); t.add_(0.0)``:
+       the same float32 operations as the pair (its integer round trip is exact), with the zero
+       point folded into the bounds and ``+ 0.0`` turning the -0.0 a negative value that rounds
+       to zero would give into the +0.0 the pair gives;
+    4. ``_assert_tensor_metadata`` checks (the export's record of dtypes and devices) are dropped.
+
+    Only for running: the lowering reads the q/dq structure, so programs are saved and exported
+    as converted. ``tests/quant/test_quant_onegraph.py`` compares the logits bit for bit."""
+    aten = torch.ops.aten
+    graph = gm.graph
+    for node in list(graph.nodes):  # 4.
+        if node.op == "call_function" and node.target == aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+
+    for node in list(graph.nodes):  # 1.
+        if node.op != "call_function" or node.target is not _Q:
+            continue
+        kept: dict[Any, Node] = {}
+        for user in list(node.users):
+            if user.target is _DQ and user.args[0] is node and _qparams(user) is not None:
+                key = (_qparams(user), tuple(sorted(user.kwargs.items(), key=lambda kv: kv[0])))
+                if key in kept:
+                    user.replace_all_uses_with(kept[key])
+                    graph.erase_node(user)
+                else:
+                    kept[key] = user
+
+    movers = {t for t in g_data_movers() if t not in (aten._to_copy.default,)}
+    grid: dict[Node, tuple] = {}  # nodes whose float32 values lie on a grid (scale, zp, qmin, qmax, dtype)
+    for node in graph.nodes:  # 2.
+        if node.op != "call_function":
+            continue
+        if node.target is _DQ and _qparams(node) is not None:
+            grid[node] = _qparams(node)
+        elif node.target in movers and isinstance(node.args[0], Node) and node.args[0] in grid and _float32(node):
+            grid[node] = grid[node.args[0]]
+        elif node.target == aten.cat.default:
+            grids = {grid.get(a) for a in node.args[0]}
+            if len(grids) == 1 and None not in grids and _float32(node):
+                grid[node] = grids.pop()
+        if node.target is _Q and _qparams(node) is not None:
+            params = _qparams(node)
+            source = node.args[0]
+            if grid.get(source) != params or params[3] - params[2] >= _CODE_RANGE or not _float32(source):
+                continue
+            for user in list(node.users):
+                if user.target is _DQ and _qparams(user) == params and not user.kwargs.get("out_dtype"):
+                    user.replace_all_uses_with(source)
+                    graph.erase_node(user)
+            if not node.users:
+                graph.erase_node(node)
+
+    for node in list(graph.nodes):  # 3.
+        if node.op != "call_function" or node.target is not _Q or _qparams(node) is None:
+            continue
+        params = _qparams(node)
+        scale, zp, qmin, qmax, _ = params
+        users = list(node.users)
+        if (not users or not _float32(node.args[0]) or qmax - qmin >= _CODE_RANGE
+                or any(u.target is not _DQ or _qparams(u) != params or u.kwargs.get("out_dtype") for u in users)):
+            continue
+        with graph.inserting_before(node):
+            t = graph.call_function(aten.mul.Tensor, (node.args[0], 1.0 / scale))
+            t = graph.call_function(aten.round_.default, (t,))
+            t = graph.call_function(aten.clamp_.default, (t, qmin - zp, qmax - zp))
+            t = graph.call_function(aten.mul_.Tensor, (t, float(scale)))
+            t = graph.call_function(aten.add_.Tensor, (t, 0.0))
+        t.meta = dict(users[0].meta)
+        for user in users:
+            user.replace_all_uses_with(t)
+            graph.erase_node(user)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def g_data_movers() -> set:
+    from npuq.quant.graph import DATA_MOVERS
+
+    return set(DATA_MOVERS) | {torch.ops.aten.alias.default}
+
+
+def _constant(gm: torch.nn.Module, target: str) -> Any:
+    """The attribute a get_attr target names (a dotted path, walked one name at a time)."""
+    obj: Any = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
 
 
 def drop_unused_tensors(gm: GraphModule) -> GraphModule:

@@ -105,6 +105,8 @@ class QuantizeResult:
     seq_mse: dict[str, Any] | None = None
     weight_rounding: dict[str, Any] | None = None
     layer_inputs: str | None = None
+    export_seconds: float | None = None  # the part of prepare_seconds that traced the model graph
+    save_seconds: float | None = None  # writing the artifact folder
 
     def describe(self) -> str:
         return (f"{self.artifact}: {self.scheme} ({self.recipe}), {self.calibration_mode} calibration on "
@@ -175,7 +177,9 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
                         "device": str(ctx.device)},
         "optimize": optimized,
     }
+    saving = time.perf_counter()
     path = save_artifact(qm, out, force=force, extra_config=extra)
+    saved = time.perf_counter() - saving
     s = qm.stats
     return QuantizeResult(
         artifact=str(path), scheme=s["scheme"], recipe=recipe.name,
@@ -188,4 +192,5 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         seq_mse=optimized["seq_mse"] if optimized else None,
         weight_rounding=optimized["weight_rounding"] if optimized else None,
         layer_inputs=optimized["layer_inputs"] if optimized else None,
+        export_seconds=s.get("export_seconds"), save_seconds=saved,
     )
