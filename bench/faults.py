@@ -140,7 +140,8 @@ def build_readers(root: Path) -> list[Reader]:
     config = json.loads((artifact / "config.json").read_text())
     encodings = json.loads((artifact / "encodings.json").read_text())
     manifest = json.loads((root / "onnx" / "manifest.json").read_text())
-    program = (artifact / "decode.pt2").read_bytes()
+    program = (artifact / "decode.json").read_bytes()
+    weights = (artifact / "weights.safetensors").read_bytes()
     graph = (root / "onnx" / "decode.onnx").read_bytes()
     export_files = {p.name: p.read_bytes() for p in (root / "onnx").iterdir() if p.name != "decode.onnx"}
     recipe = {"default": "16a4w", "kv_bits": 8, "embedding": "pcq8", "lm_head": "16a8w",
@@ -176,11 +177,11 @@ def build_readers(root: Path) -> list[Reader]:
         Reader("encodings.json", json_mutations(encodings),
                with_file("encodings.json", in_folder("encodings.json"), read_encodings)),
         Reader("artifact config.json", json_mutations(config),
-               with_file(None, in_folder("config.json", ("decode.pt2", "prefill.pt2")), read_artifact)),
+               with_file(None, in_folder("config.json", ("decode.json", "prefill.json", "weights.safetensors")), read_artifact)),
         Reader("export manifest.json", json_mutations(manifest),
                with_file(None, in_folder("manifest.json", ("decode.onnx", "prefill.onnx")), read_manifest)),
-        Reader("program .pt2", [lambda rng: edit_bytes(program, rng), lambda rng: edit_bytes(program, rng, header=4096)],
-               with_file("decode.pt2", in_folder("decode.pt2"), load_program), share=0.1),
+        Reader("program graph", [lambda rng: edit_bytes(program, rng), lambda rng: edit_bytes(program, rng, header=4096)],
+               with_file("decode.json", in_folder("decode.json", extra={"weights.safetensors": weights}), load_program), share=0.1),
         Reader("onnx graph", [lambda rng: edit_bytes(graph, rng), lambda rng: edit_bytes(graph, rng, header=4096)],
                with_file(None, in_folder("decode.onnx", extra=export_files), load_export), share=0.25),
         Reader("recipe .json", json_mutations(recipe),

@@ -462,8 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quantize", help="post-training quantization for the HTP: calibrate, write decode + prefill programs",
                        description="Quantize a model the HTP way (PT2E, uint16/uint8 activations, per-channel "
-                                   "weights), calibrate it on corpus text and write an artifact folder: decode.pt2 "
-                                   "and prefill.pt2 with identical encodings, encodings.json and config.json.")
+                                   "weights), calibrate it on corpus text and write an artifact folder: decode.json "
+                                   "and prefill.json (the programs, with identical encodings), weights.safetensors "
+                                   "(their shared weights), encodings.json and config.json.")
     _add_model(p)
     _add_quantize_options(p)
     p.add_argument("--calibration-mode", choices=("onepass", "sequential"), default="onepass",
