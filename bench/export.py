@@ -198,7 +198,7 @@ class Agreement:
         return out
 
 
-def pcq_embedding_error(artifact: Path, config: dict) -> dict | None:
+def pcq_embedding_error(artifact: Path, config) -> dict | None:
     """The legacy pattern's loss, exactly: every row of a per-channel-quantized embedding table
     through both patterns (npuq.lower.pcq), in codes of the embedding's output encoding.
     None when the table is not PCQ."""
@@ -210,7 +210,7 @@ def pcq_embedding_error(artifact: Path, config: dict) -> dict | None:
     from npuq.quantize.artifact import load_program
 
     with faster_loading():
-        program = load_program(artifact / config["programs"]["decode"]["file"])
+        program = load_program(artifact / config.programs["decode"].file)
     gm = program.module() if isinstance(program, torch.export.ExportedProgram) else program
     node = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.embedding.default),
                 None)
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.max_tokens, args.tokens, args.htp_tokens = 0, 0, 0
 
     from npuq.eval.perplexity import window_loglikelihood
-    from npuq.lower.export import ExportOptions, export_artifact
+    from npuq.lower.export import ExportOptions, export_artifact, read_manifest
     from npuq.models.config import ModelConfig
     from npuq.quantize.artifact import load_artifact, read_artifact
     from npuq.lower import ort
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         step = logits_step(qm.decode) if qm is not None else None
         report.update({
             "artifact": str(artifact) if not tiny else "tiny-llama-16a8w (quantized here)",
-            "recipe": config.get("recipe", {}),
+            "recipe": config.recipe,
             "context": context,
             "prefill_len": prefill_len,
             "qnn_version": manifest["target"]["qnn_version"],
@@ -397,7 +397,9 @@ def main(argv: list[str] | None = None) -> dict:
                 from npuq.models import load_model
                 from npuq.pipeline.programs import _model_source
 
-                tokenizer = load_model(_model_source(config.get("model", {}), str(artifact))).tokenizer
+                model = config.model
+                tokenizer = load_model(_model_source(model.name if model else None, model.source if model else None,
+                                                     str(artifact))).tokenizer
             ctx = args.context or context
             if not 2 <= ctx <= context:
                 p.error(f"--context {ctx}: the graphs hold {context} tokens; use 2..{context}")
@@ -441,8 +443,8 @@ def main(argv: list[str] | None = None) -> dict:
                 else:
                     ids = torch.randint(0, cfg.vocab_size, (args.htp_tokens,),
                                         generator=torch.Generator().manual_seed(2)).tolist()
-                entry = manifest["graphs"]["decode"]
-                path = export_dirs[first] / entry["file"]
+                entry = read_manifest(export_dirs[first]).graphs["decode"]
+                path = export_dirs[first] / entry.file
                 start = time.perf_counter()
                 htp = ort.OrtGraph(ort.htp_session(path, manifest["target"]["htp_arch"]), entry)
                 session_s = time.perf_counter() - start

@@ -4,6 +4,7 @@ stage keys that change with every field of every options record."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -11,7 +12,11 @@ import pytest
 from npuq.errors import NpuqError
 from npuq.eval.perplexity import EvalOptions
 from npuq.lower.export import ExportOptions
+from npuq.lower.manifest import (EXPORT_FORMAT, ArtifactRef, GraphEntry, IOEncoding, IOEntry, LoweringChoices, Manifest,
+                                 TargetInfo, TokenizerRef)
 from npuq.pipeline.job import RunOptions
+from npuq.quant.recipe import RECIPES
+from npuq.quantize.artifact import ArtifactConfig, ModelInfo, ProgramEntry
 from npuq.quantize.stage import QuantizeOptions
 from npuq.records import from_json, record_key, to_json
 
@@ -107,3 +112,91 @@ def test_a_record_read_back_is_checked_like_a_new_one():
     data["calib_tokens"] = 10
     with pytest.raises(NpuqError, match="config: --calib-tokens 10 is less than one window"):
         from_json(QuantizeOptions, data, "config")
+
+
+# --------------------------------------------------------------------------- file formats as records
+@pytest.fixture(scope="module")
+def model_config():
+    from npuq.models.tiny import tiny_decoder
+
+    return json.loads(json.dumps(tiny_decoder("llama")[1].config.to_dict()))
+
+
+def _manifest(model_config) -> Manifest:
+    per_tensor = IOEncoding("uint16", 16, 0, 65535, 0.001, 32768)
+    per_channel = IOEncoding("int8", 8, -128, 127, (0.5, 0.25), (0, 0), axis=1)
+
+    def graph(kind, ar_len):
+        return GraphEntry(f"{kind}.onnx", None, "0" * 64, ar_len,
+                          (IOEntry("tokens", (1, ar_len), "int64"), IOEntry("k_cache_0", (1, 2, 16, 8), "uint16", per_tensor)),
+                          (IOEntry("logits", (1, ar_len, 2), "int8", per_channel),
+                           IOEntry("k_new_0", (1, 2, ar_len, 8), "uint16", per_tensor)),
+                          {"matmul": "int16"}, ({"kind": "matmul_second_input", "node": "mm", "bits": [8, 16]},))
+
+    return Manifest(EXPORT_FORMAT, "0.1", ArtifactRef("/a", "npuq-quantized/2", None), model_config, 16,
+                    TokenizerRef("tiny", None), TargetInfo("2.51.0", "--qnn-version", 73, None), 21, "codes", "plain",
+                    {"embed": {"pattern": "plain"}}, LoweringChoices("auto", "u16"),
+                    {"decode": graph("decode", 1), "prefill": graph("prefill", 4)})
+
+
+def _config(model_config, **changes) -> ArtifactConfig:
+    fields = dict(model_config=model_config, context=16,
+                  programs={"decode": ProgramEntry("decode.json", 1), "prefill": ProgramEntry("prefill.json", 4)},
+                  weights="weights.safetensors", recipe=RECIPES["16a8w"].to_dict(),
+                  recipe_plan=({"path": "layers.0.mlp", "kind": "linear", "rule": "default", "scheme": "16a8w"},),
+                  stats={"scheme": "16a8w"}, versions={"npuq": "0.1"})
+    return ArtifactConfig(**{**fields, **changes})
+
+
+def test_manifest_round_trip(model_config):
+    manifest = _manifest(model_config)
+    data = json.loads(json.dumps(to_json(manifest)))
+    assert from_json(Manifest, data, "manifest.json") == manifest
+    decode = data["graphs"]["decode"]
+    assert "encoding" not in decode["inputs"][0]  # optional keys are left out while unset, as npuq always wrote them
+    assert "axis" not in decode["inputs"][1]["encoding"] and decode["outputs"][0]["encoding"]["axis"] == 1
+
+
+def test_artifact_config_round_trip(model_config):
+    for config in (_config(model_config),
+                   _config(model_config, model=ModelInfo("tiny", "/models/tiny", "0" * 64),
+                           calibration={"corpus": "builtin"}, optimize={"seq_mse": None}, recipe_plan=None)):
+        data = json.loads(json.dumps(to_json(config)))
+        assert from_json(ArtifactConfig, data, "config.json") == config
+        assert ("model" in data) == (config.model is not None) and "optimize" in data
+
+
+def _set(data, path, value):
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("graphs", "decode", "inputs", 0, "nme"), "x", "graphs['decode']: inputs[0]: unknown key(s) 'nme'"),
+    (("target", "arch"), 73, "target: unknown key(s) 'arch'"),
+    (("context",), "16", "context: expected int, got '16'"),
+    (("target", "htp_arch"), [73], "target: htp_arch: expected int, got [73]"),
+    (("graphs", "prefill", "outputs", 1, "encoding", "scale"), "0.1", "encoding: scale: '0.1' fits none of its types"),
+    (("graphs", "prefill", "ar_len"), 1, "graph prefill: ar_len 1 is not a distinct whole number from 1 to 16"),
+    (("graphs", "decode", "inputs", 1, "encoding", "zero_point"), 70000, "zero_point within [qmin, qmax]"),
+    (("model_config", "num_layers"), "2", "num_layers must be a whole number, got '2'"),
+])
+def test_manifest_refuses_what_does_not_fit(model_config, path, value, message):
+    data = _set(to_json(_manifest(model_config)), path, value)
+    with pytest.raises(NpuqError, match="^manifest.json: .*" + re.escape(message)):
+        from_json(Manifest, data, "manifest.json")
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("note",), "test", "config.json: unknown key(s) 'note'"),
+    (("programs", "decode", "ar_len"), "1", "config.json: programs['decode']: ar_len: expected int, got '1'"),
+    (("versions", "npuq"), 1, "config.json: versions['npuq']: expected str, got 1"),
+    (("programs", "prefill", "ar_len"), 16, "the prefill program's ar_len 16 is not a whole number from 1 to 15"),
+])
+def test_artifact_config_refuses_what_does_not_fit(model_config, path, value, message):
+    data = _set(to_json(_config(model_config)), path, value)
+    with pytest.raises(NpuqError, match=re.escape(message)):
+        from_json(ArtifactConfig, data, "config.json")

@@ -7,7 +7,9 @@ hand-edited file fails loudly). :func:`record_key` hashes a record whole, so a c
 never leave one of its options out.
 
 Supported field types: bool, int, float, str, None unions (``X | None``), ``tuple[X, ...]``,
-``dict[str, Any]`` (kept as it is) and nested records.
+``dict[str, Any]`` (kept as it is), ``dict[str, X]`` (each value read as X) and nested records.
+A field made with :func:`optional_key` is left out of the JSON while it is None, so a key that
+a format writes only when it has a value keeps that layout.
 """
 
 from __future__ import annotations
@@ -22,13 +24,21 @@ from typing import Any, TypeVar
 from npuq.errors import NpuqError
 
 R = TypeVar("R")
+_OMIT_NONE = "npuq.records.omit_none"
+
+
+def optional_key(default: Any = None) -> Any:
+    """A field whose key :func:`to_json` leaves out while its value is None (a missing key
+    reads back as ``default``)."""
+    return dataclasses.field(default=default, metadata={_OMIT_NONE: True})
 
 
 def to_json(record: Any) -> dict[str, Any]:
     """The record's fields as JSON values (tuples as lists, nested records as objects)."""
     if not dataclasses.is_dataclass(record) or isinstance(record, type):
         raise TypeError(f"expected a dataclass record, got {type(record).__name__}")
-    return {f.name: _plain(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    return {f.name: _plain(getattr(record, f.name)) for f in dataclasses.fields(record)
+            if not (f.metadata.get(_OMIT_NONE) and getattr(record, f.name) is None)}
 
 
 def _plain(value: Any) -> Any:
@@ -87,6 +97,8 @@ def _value(hint: Any, value: Any, where: str) -> Any:
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise NpuqError(f"{where}: expected an object, got {type(value).__name__}")
+        if len(args) == 2 and args[1] is not Any:
+            return {k: _value(args[1], v, f"{where}[{k!r:.40}]") for k, v in value.items()}
         return value
     if dataclasses.is_dataclass(hint):
         return from_json(hint, value, where)
@@ -98,7 +110,10 @@ def _value(hint: Any, value: Any, where: str) -> Any:
             return value
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer beyond any float
+                pass
     elif hint is str:
         if isinstance(value, str):
             return value

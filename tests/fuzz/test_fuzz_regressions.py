@@ -71,10 +71,12 @@ def _edit(path, change):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda c: {**c, "programs": ["decode.pt2"]}, "'programs' is not an object"),  # was AttributeError
-    (lambda c: {**c, "programs": {"decode": "decode.pt2", "prefill": "prefill.pt2"}}, "decode program is missing"),
+    (lambda c: {**c, "programs": ["decode.pt2"]}, "programs: expected an object, got list"),  # was AttributeError
+    (lambda c: {**c, "programs": {"decode": "decode.pt2", "prefill": "prefill.pt2"}},
+     r"programs\['decode'\]: expected an object, got str"),
+    (lambda c: {**c, "programs": {"prefill": c["programs"]["prefill"]}}, "the decode program is missing"),
     (lambda c: {**c, "versions": 3, "format": "x"}, "format 'x' written by npuq an unknown version"),
-    (lambda c: {**c, "context": "16"}, "context '16' is not a whole number"),  # was ValueError/TypeError later
+    (lambda c: {**c, "context": "16"}, "context: expected int, got '16'"),  # was ValueError/TypeError later
     (lambda c: {**c, "model_config": {**c["model_config"], "rope": 5}}, "model_config rope must be an object, got 5"),
     (lambda c: {**c, "recipe": {**c["recipe"], "rules": [{"op": "linear", "path": [1], "scheme": "16a8w"}]}},
      "path must be a regular expression"),
@@ -103,7 +105,10 @@ def test_manifest_that_is_not_json(tiny_folders, tmp_path):
         read_manifest(out)
     manifest = json.loads((tiny_folders.onnx / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({**manifest, "graphs": []}))
-    with pytest.raises(NpuqError, match="'graphs' is missing or empty"):  # was AttributeError: list.values
+    with pytest.raises(NpuqError, match="graphs: expected an object, got list"):  # was AttributeError: list.values
+        read_manifest(out)
+    (out / "manifest.json").write_text(json.dumps({**manifest, "graphs": {}}))
+    with pytest.raises(NpuqError, match="'graphs' is missing or empty; export the artifact again"):
         read_manifest(out)
 
 

@@ -90,10 +90,10 @@ def test_runner_matches_artifact(exported, artifact, provider):
     manifest, graphs = load_export(out, provider)
     from npuq.models.config import ModelConfig
 
-    cfg = ModelConfig.from_dict(manifest["model_config"])
+    cfg = ModelConfig.from_dict(manifest.model_config)
     tokens = _tokens()
     ref = load_artifact(artifact).logits(tokens)
-    got = StaticRunner(cfg, graphs, manifest["context"]).feed(tokens[0].tolist())
+    got = StaticRunner(cfg, graphs, manifest.context).feed(tokens[0].tolist())
     assert got.shape == ref.shape
     assert float((got - ref).abs().max()) < 0.01 * float(ref.abs().max())
 
@@ -117,7 +117,7 @@ def test_lpbq_and_pcq_run_on_htp(pcq_artifact, tmp_path):
 
     tokens = _tokens(7)
     ref = load_artifact(pcq_artifact).logits(tokens)
-    got = StaticRunner(ModelConfig.from_dict(manifest["model_config"]), graphs, CONTEXT).feed(tokens[0].tolist())
+    got = StaticRunner(ModelConfig.from_dict(manifest.model_config), graphs, CONTEXT).feed(tokens[0].tolist())
     assert float((got - ref).abs().max()) < 0.02 * float(ref.abs().max())
 
 

@@ -230,7 +230,7 @@ def test_exported_files_are_the_plain_lowering(artifact, tmp_path, monkeypatch, 
     config = read_artifact(artifact)
     from npuq.models.config import ModelConfig
 
-    cfg = ModelConfig.from_dict(config["model_config"])
+    cfg = ModelConfig.from_dict(config.model_config)
     for kind in ("decode", "prefill"):
         args, kw = _lowering_args(cfg.num_layers, f"{cfg.arch}_{kind}")
         plain = _reference_lowering(load_program(program_path(artifact, config, kind)), args, kw, monkeypatch)

@@ -25,7 +25,7 @@ def _edit(folder: Path, change) -> None:
 
 def test_npuqs_own_manifest_reads_back(tiny_folders):
     manifest = read_manifest(tiny_folders.onnx)
-    assert {e["ar_len"] for e in manifest["graphs"].values()} == {1, 4}
+    assert {e.ar_len for e in manifest.graphs.values()} == {1, 4}
     _, graphs = load_export(tiny_folders.onnx)
     assert sorted(graphs) == [1, 4]
 

@@ -11,7 +11,7 @@ from npuq.calibrate.encodings import kv_io_qparams
 from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.models.tiny import save_tiny_hf_folder, tiny_decoder
-from npuq.quantize.artifact import load_artifact, save_artifact
+from npuq.quantize.artifact import ModelInfo, load_artifact, save_artifact
 from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import RECIPES
 
@@ -28,7 +28,8 @@ def quantized():
 
 
 def test_save_load_round_trip(tmp_path, quantized):
-    out = save_artifact(quantized, tmp_path / "art", extra_config={"note": "test"})
+    out = save_artifact(quantized, tmp_path / "art", model=ModelInfo("tiny", "tiny-source", "0" * 64),
+                        calibration={"corpus": "test"})
     assert sorted(os.listdir(out)) == ["config.json", "decode.json", "encodings.json", "prefill.json",
                                        "weights.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["art"]  # no temporary folder left behind
@@ -41,7 +42,8 @@ def test_save_load_round_trip(tmp_path, quantized):
     assert not any(n.target == torch.ops.quantized_decomposed.dequantize_per_channel.default for n in loaded.decode.graph.nodes)
     assert kv_io_qparams(as_saved.decode, 2) == kv_io_qparams(quantized.decode, 2)
     config = json.loads((out / "config.json").read_text())
-    assert config["note"] == "test" and config["context"] == CONTEXT
+    assert config["model"]["name"] == "tiny" and config["calibration"] == {"corpus": "test"}
+    assert config["context"] == CONTEXT and config["optimize"] is None
     assert config["programs"]["prefill"]["ar_len"] == 4
     assert {"npuq", "torch", "torchao"} <= set(config["versions"])
     assert config["recipe"]["default"] == "16a8w" and config["recipe_plan"]

@@ -8,6 +8,7 @@
     patterns.py      multi-node patterns lowered as one op (RMSNorm)
     onnx_writer.py   walks the program, runs the builders, writes the graph
     export.py        artifact → decode.onnx + prefill.onnx + manifest.json
+    manifest.py      manifest.json as records (one schema for writing and reading it)
     ort.py           ONNX Runtime sessions of an export folder (CPU exact QDQ, QNN HTP emulator)
 """
 

@@ -9,8 +9,9 @@
 Both graphs share their KV cache with the runner, so every cache input must carry the
 encoding of the matching new-entries output, in both graphs alike: checked here.
 
-:func:`read_manifest` reads the folder back for the runtime, checking every field it uses
-and refusing graph files named outside the folder. The free disk is checked before writing.
+:func:`read_manifest` reads the folder back for the runtime: manifest.json as its record
+(:class:`npuq.lower.manifest.Manifest`, which checks every field a runner uses), then the
+graph files, refused when named outside the folder. The free disk is checked before writing.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ import onnx
 from npuq.fsio import atomic_dir, folder_lock, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.lower.fastload import faster_loading
+from npuq.lower.manifest import (EXPORT_FORMAT, ArtifactRef, GraphEntry, LoweringChoices, Manifest, TargetInfo,
+                                 TokenizerRef)
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.quantize.artifact import load_program, program_path, read_artifact
+from npuq.records import from_json, to_json
 
-
-EXPORT_FORMAT = "npuq-export/1"
 KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")
 PROTOBUF_LIMIT = 1_800_000_000  # bytes; larger models keep their weights in an external file
 # Where an export's time goes, logged (DEBUG, logger npuq.lower.export) with the record
@@ -215,9 +217,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     if target is None:
         target = options.target()
     config = read_artifact(artifact)
-    from npuq.models.config import ModelConfig
-
-    cfg = ModelConfig.from_dict(config["model_config"])
+    cfg = config.cfg
     in_names, out_names = io_names(cfg.num_layers)
 
     phases = dict.fromkeys(PHASES, 0.0)
@@ -245,7 +245,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     check_free_disk(out, sum(sizes) + (1 << 20), f"the export {out}")
     with _timed(phases, "write"), atomic_dir(out) as tmp:
         files: dict[str, str] = {}
-        graphs_json: dict[str, Any] = {}
+        graphs: dict[str, GraphEntry] = {}
         for kind, g in lowered.items():
             path = tmp / f"{kind}.onnx"
             if blobs[kind] is not None:
@@ -254,135 +254,67 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                 written = _save_external(g.model, path)
                 digest = _sha256(tmp / written[0])
             files[kind] = str(out / written[0])
-            graphs_json[kind] = {
-                "file": written[0],
-                "external_data": written[1] if len(written) > 1 else None,
-                "sha256": digest,
-                "ar_len": int(config["programs"][kind]["ar_len"]),
-                "inputs": [s.to_json() for s in g.inputs],
-                "outputs": [s.to_json() for s in g.outputs],
-                "builders": g.builders,
-                "notes": [{"kind": n.kind, "node": n.node, **n.detail} for n in g.notes if n.kind != "embedding_pattern"],
-            }
-        model_info = config.get("model", {})
-        manifest = {
-            "format": EXPORT_FORMAT,
-            "npuq_version": __version__,
-            "artifact": {"path": str(Path(artifact).resolve()), "format": config["format"],
-                         "npuq_version": config.get("versions", {}).get("npuq")},
-            "model_config": config["model_config"],
-            "context": int(config["context"]),
-            "tokenizer": {"model": model_info.get("name"), "source": model_info.get("source")},
-            "target": {
-                "qnn_version": str(target.qnn_version) if target.qnn_version else None,
-                "qnn_version_source": target.qnn_version_source,
-                "htp_arch": target.htp_arch,
-                "soc": target.soc,
-            },
-            "opset": 21,
-            "kv_cache": "quantized codes: copy k_new_i / v_new_i outputs into k_cache_i / v_cache_i as they are",
-            "embedding_pattern": pattern,
-            "embeddings": per_node,
-            "options": {"embedding_pattern": options.embedding_pattern, "embedding_storage": options.embedding_storage},
-            "graphs": graphs_json,
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+            graphs[kind] = GraphEntry(
+                file=written[0],
+                external_data=written[1] if len(written) > 1 else None,
+                sha256=digest,
+                ar_len=config.programs[kind].ar_len,
+                inputs=tuple(s.entry() for s in g.inputs),
+                outputs=tuple(s.entry() for s in g.outputs),
+                builders=g.builders,
+                notes=tuple({"kind": n.kind, "node": n.node, **n.detail} for n in g.notes if n.kind != "embedding_pattern"),
+            )
+        model_info = config.model
+        manifest = Manifest(
+            format=EXPORT_FORMAT,
+            npuq_version=__version__,
+            artifact=ArtifactRef(str(Path(artifact).resolve()), config.format, config.versions.get("npuq")),
+            model_config=config.model_config,
+            context=config.context,
+            tokenizer=TokenizerRef(model_info.name if model_info else None, model_info.source if model_info else None),
+            target=TargetInfo(
+                qnn_version=str(target.qnn_version) if target.qnn_version else None,
+                qnn_version_source=target.qnn_version_source,
+                htp_arch=target.htp_arch,
+                soc=target.soc,
+            ),
+            opset=21,
+            kv_cache="quantized codes: copy k_new_i / v_new_i outputs into k_cache_i / v_cache_i as they are",
+            embedding_pattern=pattern,
+            embeddings=per_node,
+            options=LoweringChoices(options.embedding_pattern, options.embedding_storage),
+            graphs=graphs,
+        )
+        (tmp / "manifest.json").write_text(json.dumps(to_json(manifest), indent=2) + "\n", encoding="utf-8")
         files["manifest"] = str(out / "manifest.json")
     log.debug("export %s: %s", out, ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()),
               extra={"npuq_export_phases": phases})
-    return ExportResult(manifest["target"]["qnn_version"], target.qnn_version_source, target.htp_arch, target.soc,
+    return ExportResult(manifest.target.qnn_version, target.qnn_version_source, target.htp_arch, target.soc,
                         pattern, files, time.perf_counter() - start)
 
 
 # --------------------------------------------------------------------------- reading it back
-_IO_DTYPES = ("float32", "float16", "int64", "int32", "int16", "uint16", "int8", "uint8", "bool")
-
-
-def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
-    """manifest.json of an export folder, checked before anything is opened: the format, the
-    model config, the context, and per graph a file inside the folder, its ar_len and its I/O
-    specs (names, dtypes, shapes, encodings) as :class:`npuq.lower.ort.OrtGraph` uses them."""
-    from npuq.models.config import ModelConfig
-
+def read_manifest(folder: str | os.PathLike) -> Manifest:
+    """manifest.json of an export folder, checked before anything is opened: every field as its
+    record checks it (:class:`npuq.lower.manifest.Manifest`: the format, the model config, the
+    context, per graph its ar_len and I/O specs as :class:`npuq.lower.ort.OrtGraph` uses them),
+    then each graph's file, which must lie inside the folder and be there."""
     folder = Path(folder)
     where, again = f"--onnx {folder}", "export the artifact again"
     if not (folder / "manifest.json").is_file():
         raise NpuqError(f"{where}: no manifest.json; is this an `npuq export` folder?")
-    manifest = read_json(folder / "manifest.json", where, again)
-    if not isinstance(manifest, dict) or manifest.get("format") != EXPORT_FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+    data = read_json(folder / "manifest.json", where, again)
+    if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:  # before its keys: another format's differ
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise NpuqError(f"{where}: manifest format {found!r:.60} is not {EXPORT_FORMAT!r}; {again} with this npuq")
     try:
-        ModelConfig.from_dict(manifest.get("model_config"))
+        manifest = from_json(Manifest, data, f"{where}: manifest.json")
     except NpuqError as exc:
-        raise NpuqError(f"{where}: manifest.json is invalid ({exc}); {again}") from None
-    context = manifest.get("context")
-    if not _whole(context) or context < 2:
-        raise NpuqError(f"{where}: context {context!r:.40} is not a whole number of at least 2; {again}")
-    for key in ("target", "tokenizer"):
-        if not isinstance(manifest.get(key, {}), dict):
-            raise NpuqError(f"{where}: {key!r} is not an object; {again}")
-    arch = manifest.get("target", {}).get("htp_arch")
-    if arch is not None and not _whole(arch):
-        raise NpuqError(f"{where}: target htp_arch {arch!r:.40} is not a whole number; {again}")
-    for key in ("model", "source"):
-        value = manifest.get("tokenizer", {}).get(key)
-        if value is not None and not isinstance(value, str):
-            raise NpuqError(f"{where}: tokenizer {key} {value!r:.40} is not a string; {again}")
-    graphs = manifest.get("graphs")
-    if not isinstance(graphs, dict) or not graphs:
-        raise NpuqError(f"{where}: 'graphs' is missing or empty; {again}")
-    seen = set()
-    for kind, entry in graphs.items():
+        raise NpuqError(f"{exc}; {again}") from None
+    for kind, entry in manifest.graphs.items():
         at = f"{where}, graph {kind!s:.40}"
-        if not isinstance(entry, dict):
-            raise NpuqError(f"{at}: not an object; {again}")
-        path = resolve_inside(folder, entry.get("file"), at)
-        if not path.is_file():
-            raise NpuqError(f"{at}: {entry['file']} is missing; {again}")
-        if entry.get("external_data") is not None:
-            resolve_inside(folder, entry["external_data"], at)
-        ar_len = entry.get("ar_len")
-        if not _whole(ar_len) or not 1 <= ar_len <= context or ar_len in seen:
-            raise NpuqError(f"{at}: ar_len {ar_len!r:.40} is not a distinct whole number from 1 to {context}; {again}")
-        seen.add(ar_len)
-        for side in ("inputs", "outputs"):
-            specs = entry.get(side)
-            if not isinstance(specs, list) or not specs:
-                raise NpuqError(f"{at}: {side} missing or empty; {again}")
-            for spec in specs:
-                _check_io_spec(spec, f"{at} {side}", again)
+        if not resolve_inside(folder, entry.file, at).is_file():
+            raise NpuqError(f"{at}: {entry.file} is missing; {again}")
+        if entry.external_data is not None:
+            resolve_inside(folder, entry.external_data, at)
     return manifest
-
-
-def _whole(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _numbers(v: Any, check) -> bool:
-    """A number, or a non-empty list of numbers, each passing ``check``."""
-    values = v if isinstance(v, list) and v else [v]
-    return all(isinstance(x, (int, float)) and not isinstance(x, bool) and check(x) for x in values)
-
-
-def _check_io_spec(spec: Any, where: str, again: str) -> None:
-    import math
-
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise NpuqError(f"{where}: an entry has no name; {again}")
-    at = f"{where} {spec['name'][:60]}"
-    if spec.get("dtype") not in _IO_DTYPES:
-        raise NpuqError(f"{at}: dtype {spec.get('dtype')!r:.40} is not one of {', '.join(_IO_DTYPES)}; {again}")
-    shape = spec.get("shape")
-    if not isinstance(shape, list) or not all(_whole(d) and d >= 0 for d in shape):
-        raise NpuqError(f"{at}: shape {shape!r:.60} is not a list of sizes; {again}")
-    enc = spec.get("encoding")
-    if enc is None:
-        return
-    ok = (isinstance(enc, dict) and enc.get("dtype") in _IO_DTYPES
-          and _whole(enc.get("qmin")) and _whole(enc.get("qmax")) and enc["qmin"] < enc["qmax"]
-          and _numbers(enc.get("scale"), lambda x: math.isfinite(x) and x > 0)
-          and _numbers(enc.get("zero_point"), lambda x: float(x).is_integer() and enc["qmin"] <= x <= enc["qmax"]))
-    if not ok:
-        raise NpuqError(f"{at}: its encoding needs dtype, qmin < qmax, scale > 0 and zero_point within [qmin, qmax]; "
-                        f"{again}")

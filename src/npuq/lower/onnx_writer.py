@@ -31,9 +31,11 @@ from npuq.errors import NpuqError
 from npuq.lower.builders.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, encoding_of
 from npuq.lower.qparams import Encoding
 from npuq.lower.ir import Initializer, Lowered, NodeView, Note, Value
+from npuq.lower.manifest import IOEncoding, IOEntry
 from npuq.lower.patterns import RMS_NORM_OP, match_patterns
 from npuq.lower.registry import BuildContext, LowerOptions, Unsupported, select
 from npuq.lower.target import Target
+from npuq.records import to_json
 
 log = logging.getLogger("npuq.lower")
 
@@ -63,11 +65,22 @@ class IOSpec:
     dtype: str  # numpy name: float32, int64, uint16, ...
     encoding: Encoding | None = None  # set when the tensor holds quantized codes
 
+    def entry(self) -> IOEntry:
+        """The spec as manifest.json records it."""
+        enc = self.encoding
+        if enc is None:
+            return IOEntry(self.name, tuple(self.shape), self.dtype)
+        return IOEntry(self.name, tuple(self.shape), self.dtype, IOEncoding(
+            enc.type_name, enc.bits, enc.qmin, enc.qmax, _numbers(enc.scale), _numbers(enc.zero_point),
+            enc.axis, enc.block_size))
+
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
-        if self.encoding is not None:
-            out["encoding"] = self.encoding.to_json()
-        return out
+        return to_json(self.entry())
+
+
+def _numbers(a: np.ndarray) -> Any:
+    """A 0-d array as its number, any other as a tuple of its values."""
+    return a.item() if a.ndim == 0 else tuple(a.tolist())
 
 
 @dataclass

@@ -20,13 +20,14 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from npuq.fsio import resolve_inside
 from npuq.errors import NpuqError
+from npuq.lower.manifest import GraphEntry, IOEncoding, Manifest
 
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 PROVIDERS = ("cpu", "htp")
@@ -132,31 +133,31 @@ def float_compute_units(units: Counter) -> list[str]:
 
 
 # --------------------------------------------------------------------------- graph callables
-def _quantize(x: np.ndarray, enc: dict) -> np.ndarray:
-    scale = np.float32(enc["scale"])
-    q = np.rint(np.asarray(x, np.float32) / scale) + enc["zero_point"]
-    return np.clip(q, enc["qmin"], enc["qmax"]).astype(enc["dtype"])
+def _quantize(x: np.ndarray, enc: IOEncoding) -> np.ndarray:
+    scale = np.float32(enc.scale)
+    q = np.rint(np.asarray(x, np.float32) / scale) + enc.zero_point
+    return np.clip(q, enc.qmin, enc.qmax).astype(enc.dtype)
 
 
-def _dequantize(q: np.ndarray, enc: dict) -> np.ndarray:
-    return ((q.astype(np.int64) - enc["zero_point"]) * np.float64(enc["scale"])).astype(np.float32)
+def _dequantize(q: np.ndarray, enc: IOEncoding) -> np.ndarray:
+    return ((q.astype(np.int64) - enc.zero_point) * np.float64(enc.scale)).astype(np.float32)
 
 
 class OrtGraph:
     """One exported graph as a callable taking and returning torch tensors.
 
     ``io`` is the graph's entry of manifest.json (inputs/outputs with names, shapes, dtypes
-    and encodings). KV-cache inputs holding quantized codes are passed as codes in any
+    and encodings: :class:`npuq.lower.manifest.GraphEntry`). KV-cache inputs holding quantized codes are passed as codes in any
     tensor dtype (a float32 buffer holds uint16 codes exactly) and come back as int32 codes;
     float inputs that the graph takes quantized are quantized here, and quantized outputs
     other than the caches (e.g. logits) are dequantized.
     """
 
-    def __init__(self, session, io: dict[str, Any], cache_prefixes: Sequence[str] = ("k_cache", "v_cache", "k_new", "v_new")):
+    def __init__(self, session, io: GraphEntry, cache_prefixes: Sequence[str] = ("k_cache", "v_cache", "k_new", "v_new")):
         self.session = session
-        self.inputs = io["inputs"]
-        self.outputs = io["outputs"]
-        self._codes = {s["name"] for s in self.inputs + self.outputs if s["name"].startswith(tuple(cache_prefixes))}
+        self.inputs = io.inputs
+        self.outputs = io.outputs
+        self._codes = {s.name for s in self.inputs + self.outputs if s.name.startswith(tuple(cache_prefixes))}
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         if len(args) != len(self.inputs):
@@ -164,18 +165,18 @@ class OrtGraph:
         feeds = {}
         for spec, arg in zip(self.inputs, args):
             a = arg.detach().cpu().numpy()
-            enc = spec.get("encoding")
+            enc = spec.encoding
             if enc is None:
-                feeds[spec["name"]] = a.astype(spec["dtype"])
-            elif spec["name"] in self._codes:
-                feeds[spec["name"]] = np.clip(np.rint(a), enc["qmin"], enc["qmax"]).astype(spec["dtype"])
+                feeds[spec.name] = a.astype(spec.dtype)
+            elif spec.name in self._codes:
+                feeds[spec.name] = np.clip(np.rint(a), enc.qmin, enc.qmax).astype(spec.dtype)
             else:
-                feeds[spec["name"]] = _quantize(a, enc)
-        results = self.session.run([s["name"] for s in self.outputs], feeds)
+                feeds[spec.name] = _quantize(a, enc)
+        results = self.session.run([s.name for s in self.outputs], feeds)
         out = []
         for spec, r in zip(self.outputs, results):
-            enc = spec.get("encoding")
-            if enc is not None and spec["name"] not in self._codes:
+            enc = spec.encoding
+            if enc is not None and spec.name not in self._codes:
                 r = _dequantize(r, enc)
             elif enc is not None:
                 r = r.astype(np.int32)
@@ -183,7 +184,7 @@ class OrtGraph:
         return out
 
 
-def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[dict, dict[int, OrtGraph]]:
+def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[Manifest, dict[int, OrtGraph]]:
     """(manifest, {ar_len: graph}) for a folder written by ``npuq export``; the manifest is
     checked first (:func:`npuq.lower.export.read_manifest`: graph files must lie inside
     ``folder``), and a graph ONNX Runtime cannot open is an :class:`NpuqError`."""
@@ -193,10 +194,10 @@ def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int 
     if provider not in PROVIDERS:
         raise NpuqError(f"unknown provider {provider!r}; choose {', '.join(PROVIDERS)}")
     manifest = read_manifest(folder)
-    arch = htp_arch if htp_arch is not None else manifest.get("target", {}).get("htp_arch")
+    arch = htp_arch if htp_arch is not None else manifest.target.htp_arch
     graphs = {}
-    for entry in manifest["graphs"].values():
-        path = resolve_inside(folder, entry["file"], f"--onnx {folder}")
+    for entry in manifest.graphs.values():
+        path = resolve_inside(folder, entry.file, f"--onnx {folder}")
         if provider == "cpu":
             try:
                 session = cpu_session(path)
@@ -204,5 +205,5 @@ def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int 
                 raise NpuqError(f"{path}: ONNX Runtime cannot open it ({exc}); export the artifact again") from None
         else:
             session = htp_session(path, arch)
-        graphs[entry["ar_len"]] = OrtGraph(session, entry)
+        graphs[entry.ar_len] = OrtGraph(session, entry)
     return manifest, graphs

@@ -112,18 +112,6 @@ class Encoding:
             and bool(np.all(self.scale == other.scale)) and bool(np.all(self.zero_point == other.zero_point))
         )
 
-    def to_json(self) -> dict:
-        """The encoding as the manifest records it (QNN convention: offset = -zero_point)."""
-        scale = self.scale.tolist()
-        zp = self.zero_point.tolist()
-        out = {"dtype": self.type_name, "bits": self.bits, "qmin": self.qmin, "qmax": self.qmax,
-               "scale": scale, "zero_point": zp}
-        if self.per_channel:
-            out["axis"] = self.axis
-        if self.block_size is not None:
-            out["block_size"] = self.block_size
-        return out
-
     def with_type(self, onnx_type: int) -> Encoding:
         return Encoding(self.scale, self.zero_point, self.qmin, self.qmax, onnx_type, self.axis, self.block_size)
 

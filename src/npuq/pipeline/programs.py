@@ -52,23 +52,23 @@ def open_programs(artifact: str | None = None, onnx: str | None = None, provider
         from npuq.quantize.artifact import load_artifact, read_artifact
 
         qm = load_artifact(artifact)
-        config = read_artifact(artifact)
-        return Programs(qm.config, qm.context, qm.graphs(), _model_source(config.get("model", {}), artifact),
+        model = read_artifact(artifact).model
+        return Programs(qm.config, qm.context, qm.graphs(),
+                        _model_source(model.name if model else None, model.source if model else None, artifact),
                         {"artifact": str(artifact), "scheme": qm.recipe.default, "recipe": qm.recipe.name})
     if onnx:
         from npuq.lower.ort import load_export
 
         manifest, graphs = load_export(onnx, provider)
-        return Programs(ModelConfig.from_dict(manifest["model_config"]), int(manifest["context"]), graphs,
-                        _model_source(manifest.get("tokenizer", {}), onnx),
-                        {"onnx": str(onnx), "provider": provider,
-                         "qnn_version": manifest.get("target", {}).get("qnn_version")})
+        return Programs(manifest.cfg, manifest.context, graphs,
+                        _model_source(manifest.tokenizer.model, manifest.tokenizer.source, onnx),
+                        {"onnx": str(onnx), "provider": provider, "qnn_version": manifest.target.qnn_version})
     raise ValueError("give an artifact or an onnx folder")
 
 
-def _model_source(info: dict[str, Any], where: str) -> str:
-    for key in ("source", "name", "model"):
-        value = info.get(key)
-        if isinstance(value, str) and value and "\x00" not in value and (Path(value).exists() or key != "source"):
+def _model_source(name: str | None, source: str | None, where: str) -> str:
+    """The model whose tokenizer to load: the recorded source when it is still there, else the name."""
+    for value, is_source in ((source, True), (name, False)):
+        if value and "\x00" not in value and (not is_source or Path(value).exists()):
             return value
     raise NpuqError(f"{where}: cannot tell which model's tokenizer to use (no model source recorded)")

@@ -17,6 +17,9 @@ The folder is assembled in a temporary sibling and renamed into place, so a read
 sees half an artifact; an existing DIR is refused unless ``force``, and then replaced only
 once the new one is complete, and only if the disk has room for it.
 
+config.json is one record, :class:`ArtifactConfig`, written with :func:`npuq.records.to_json`
+and read back with :func:`npuq.records.from_json`, so its fields are defined once.
+
 Reading an artifact back trusts nothing in it: config.json and encodings.json are checked
 field by field, file names must stay inside DIR, and the programs are rebuilt from checked JSON
 and safetensors data: nothing is unpickled and no code from the files runs.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +44,68 @@ from npuq.calibrate.encodings import encodings_json
 from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, tensor_bytes, write_programs
 from npuq.quantize.pt2e import QuantizedModel, fold_constant_dequant, simplify_qdq
 from npuq.quant.recipe import Recipe
+from npuq.records import from_json, optional_key, to_json
 
 ARTIFACT_FORMAT = "npuq-quantized/2"
 PROGRAMS = {"decode": "decode.json", "prefill": "prefill.json"}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The float model the artifact was quantized from."""
+
+    name: str  # --model as given
+    source: str  # the file or folder read (its tokenizer goes with the artifact)
+    weights_sha256: str  # :func:`weights_sha256` of the float weights
+
+
+@dataclass(frozen=True)
+class ProgramEntry:
+    file: str  # inside the artifact folder
+    ar_len: int  # tokens per call
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArtifactConfig:
+    """config.json: the format, what the model and its quantization were, and where the
+    programs are. Checked on construction (the files themselves: :func:`read_artifact`)."""
+
+    format: str = ARTIFACT_FORMAT
+    model: ModelInfo | None = optional_key()  # None (no key): save_artifact was not given it
+    calibration: dict[str, Any] | None = optional_key()  # corpus, tokens, mode, batch, threads, device
+    optimize: dict[str, Any] | None = None  # SeqMSE / GPTQ summaries; None: nearest rounding
+    model_config: dict[str, Any]  # ModelConfig.to_dict(); read with :attr:`cfg`
+    context: int
+    programs: dict[str, ProgramEntry]  # decode (AR-1), prefill (AR-N)
+    weights: str  # the safetensors file both programs share, inside the folder
+    recipe: dict[str, Any]  # Recipe.to_dict(); read with :meth:`read_recipe`
+    recipe_plan: tuple[dict[str, Any], ...] | None  # RecipePlan.to_list(): path, kind, rule, scheme per layer
+    stats: dict[str, Any]  # QuantizedModel.stats: scheme, calibration tokens and times
+    versions: dict[str, str]  # npuq, torch, torchao
+
+    def __post_init__(self) -> None:
+        if self.format != ARTIFACT_FORMAT:
+            raise NpuqError(f"format {self.format!r:.60} is not {ARTIFACT_FORMAT!r}")
+        if self.context < 2:
+            raise NpuqError(f"context {self.context} is not a whole number of at least 2")
+        for kind in PROGRAMS:
+            entry = self.programs.get(kind)
+            if entry is None:
+                raise NpuqError(f"the {kind} program is missing from 'programs', so the artifact is incomplete")
+            limit = 1 if kind == "decode" else self.context - 1
+            if not 1 <= entry.ar_len <= limit:
+                raise NpuqError(f"the {kind} program's ar_len {entry.ar_len} is not a whole number from 1 to {limit}")
+        ModelConfig.from_dict(self.model_config)  # a wrong key, type or value is an NpuqError
+        Recipe.from_dict(self.recipe, name="artifact")
+
+    @property
+    def cfg(self) -> ModelConfig:
+        """``model_config`` as the model's config."""
+        return ModelConfig.from_dict(self.model_config)
+
+    def read_recipe(self) -> Recipe:
+        """``recipe`` as the recipe it holds."""
+        return Recipe.from_dict(self.recipe)
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -88,9 +151,10 @@ def estimate_artifact_bytes(qm: QuantizedModel, encodings_text: str | None = Non
     return total + sum(NODE_BYTES * len(gm.graph.nodes) for gm in (qm.decode, qm.prefill))
 
 
-def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = False,
-                  extra_config: dict[str, Any] | None = None) -> Path:
-    """Write ``qm`` to the folder ``out`` atomically (see the module docstring)."""
+def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = False, model: ModelInfo | None = None,
+                  calibration: dict[str, Any] | None = None, optimize: dict[str, Any] | None = None) -> Path:
+    """Write ``qm`` to the folder ``out`` atomically (see the module docstring); ``model``,
+    ``calibration`` and ``optimize`` go into config.json as they are."""
     from npuq.resources import check_free_disk
 
     final = check_destination(out, force)
@@ -100,27 +164,28 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
         cfg = qm.config
         write_programs({"decode": qm.decode, "prefill": qm.prefill}, tmp, PROGRAMS, WEIGHTS_FILE)
         (tmp / "encodings.json").write_text(encodings_text + "\n", encoding="utf-8")
-        config = {
-            "format": ARTIFACT_FORMAT,
-            **(extra_config or {}),
-            "model_config": cfg.to_dict(),
-            "context": qm.context,
-            "programs": {k: {"file": f, "ar_len": 1 if k == "decode" else qm.prefill_len} for k, f in PROGRAMS.items()},
-            "weights": WEIGHTS_FILE,
-            "recipe": qm.recipe.to_dict(),
-            "recipe_plan": qm.plan.to_list() if qm.plan is not None else None,
-            "stats": qm.stats,
-            "versions": versions(),
-        }
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
+        config = ArtifactConfig(
+            model=model,
+            calibration=calibration,
+            optimize=optimize,
+            model_config=cfg.to_dict(),
+            context=qm.context,
+            programs={k: ProgramEntry(f, 1 if k == "decode" else qm.prefill_len) for k, f in PROGRAMS.items()},
+            weights=WEIGHTS_FILE,
+            recipe=qm.recipe.to_dict(),
+            recipe_plan=tuple(qm.plan.to_list()) if qm.plan is not None else None,
+            stats=qm.stats,
+            versions=versions(),
+        )
+        text = json.dumps(to_json(config), indent=2, default=str)
+        (tmp / "config.json").write_text(text + "\n", encoding="utf-8")
     return final
 
 
-def read_artifact(folder: str | os.PathLike) -> dict[str, Any]:
-    """The artifact's config.json, after checking it is a complete artifact of this format
-    whose fields have the types this npuq reads (:class:`NpuqError` otherwise)."""
-    from npuq.quant.recipe import Recipe
-
+def read_artifact(folder: str | os.PathLike) -> ArtifactConfig:
+    """The artifact's config.json, after checking it is a complete artifact of this format:
+    its fields as :class:`ArtifactConfig` checks them, then the files it names, which must lie
+    inside the folder and be there (:class:`NpuqError` otherwise)."""
     path = Path(folder)
     where = f"--artifact {path}"
     again = "quantize the model again"
@@ -128,60 +193,37 @@ def read_artifact(folder: str | os.PathLike) -> dict[str, Any]:
         raise NpuqError(f"{where}: no such folder; give the --out folder of 'npuq quantize'")
     if not (path / "config.json").is_file():
         raise NpuqError(f"{where}: no config.json, so not an npuq artifact; give the --out folder of 'npuq quantize'")
-    config = read_json(path / "config.json", where, again)
-    if not isinstance(config, dict):
-        raise NpuqError(f"{where}: config.json holds {type(config).__name__}, not an object; {again}")
-    fmt = config.get("format")
-    if fmt != ARTIFACT_FORMAT:
-        versions = config.get("versions")
+    data = read_json(path / "config.json", where, again)
+    if not isinstance(data, dict):
+        raise NpuqError(f"{where}: config.json holds {type(data).__name__}, not an object; {again}")
+    fmt = data.get("format")
+    if fmt != ARTIFACT_FORMAT:  # before the keys: another format's differ
+        versions = data.get("versions")
         made_by = versions.get("npuq", "an unknown version") if isinstance(versions, dict) else "an unknown version"
         raise NpuqError(
             f"{where}: format {fmt!r:.60} written by npuq {made_by!s:.20} is not {ARTIFACT_FORMAT!r}, "
             f"which this npuq reads; {again} with this npuq"
         )
-    for key in ("model_config", "context", "programs", "recipe"):
-        if key not in config:
-            raise NpuqError(f"{where}: config.json lacks {key!r}; the artifact is incomplete, {again}")
-    context = config["context"]
-    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
-        raise NpuqError(f"{where}: context {context!r:.40} is not a whole number of at least 2; {again}")
-    programs = config["programs"]
-    if not isinstance(programs, dict):
-        raise NpuqError(f"{where}: 'programs' is not an object; {again}")
-    for kind in PROGRAMS:
-        entry = programs.get(kind)
-        if not isinstance(entry, dict) or "file" not in entry:
-            raise NpuqError(f"{where}: the {kind} program is missing from config.json; the artifact is incomplete, {again}")
-        file = resolve_inside(path, entry["file"], f"{where}, {kind} program")
-        if not file.is_file():
-            raise NpuqError(f"{where}: {entry['file']} is missing; the artifact is incomplete, {again}")
-        ar_len = entry.get("ar_len")
-        limit = 1 if kind == "decode" else context - 1
-        if isinstance(ar_len, bool) or not isinstance(ar_len, int) or not 1 <= ar_len <= limit:
-            raise NpuqError(f"{where}: the {kind} program's ar_len {ar_len!r:.40} is not a whole number from 1 to "
-                            f"{limit}; {again}")
-    weights = resolve_inside(path, config.get("weights"), f"{where}, weights")
-    if not weights.is_file():
-        raise NpuqError(f"{where}: {config['weights']} is missing; the artifact is incomplete, {again}")
-    for key in ("model", "versions", "stats", "calibration"):
-        if key in config and not isinstance(config[key], dict):
-            raise NpuqError(f"{where}: {key!r} is not an object; {again}")
     try:
-        ModelConfig.from_dict(config["model_config"])
-        Recipe.from_dict(config["recipe"], name="artifact")
+        config = from_json(ArtifactConfig, data, f"{where}: config.json")
     except NpuqError as exc:
-        raise NpuqError(f"{where}: config.json is invalid ({exc}); {again}") from None
+        raise NpuqError(f"{exc}; {again}") from None
+    for kind in PROGRAMS:
+        if not program_path(path, config, kind).is_file():
+            raise NpuqError(f"{where}: {config.programs[kind].file} is missing; the artifact is incomplete, {again}")
+    if not weights_path(path, config).is_file():
+        raise NpuqError(f"{where}: {config.weights} is missing; the artifact is incomplete, {again}")
     return config
 
 
-def program_path(folder: str | os.PathLike, config: dict[str, Any], kind: str) -> Path:
+def program_path(folder: str | os.PathLike, config: ArtifactConfig, kind: str) -> Path:
     """The file of program ``kind`` in an artifact read by :func:`read_artifact` (inside ``folder``)."""
-    return resolve_inside(folder, config["programs"][kind]["file"], f"--artifact {folder}, {kind} program")
+    return resolve_inside(folder, config.programs[kind].file, f"--artifact {folder}, {kind} program")
 
 
-def weights_path(folder: str | os.PathLike, config: dict[str, Any]) -> Path:
+def weights_path(folder: str | os.PathLike, config: ArtifactConfig) -> Path:
     """The weights file the programs of an artifact read by :func:`read_artifact` share."""
-    return resolve_inside(folder, config["weights"], f"--artifact {folder}, weights")
+    return resolve_inside(folder, config.weights, f"--artifact {folder}, weights")
 
 
 def load_program(path: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> GraphModule:
@@ -221,12 +263,12 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True) -> Qua
         module = load_program(program_path(path, config, kind), tensors)
         programs[kind] = simplify_qdq(fold_constant_dequant(module, folded)) if fold_constants else module
     return QuantizedModel(
-        config=ModelConfig.from_dict(config["model_config"]),
-        context=int(config["context"]),
-        prefill_len=int(config["programs"]["prefill"]["ar_len"]),
+        config=config.cfg,
+        context=config.context,
+        prefill_len=config.programs["prefill"].ar_len,
         decode=programs["decode"],
         prefill=programs["prefill"],
         encodings=encodings,
-        recipe=Recipe.from_dict(config["recipe"]),
-        stats=config.get("stats", {}),
+        recipe=config.read_recipe(),
+        stats=config.stats,
     )

@@ -141,7 +141,7 @@ def quantize_to_artifact(
 def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force: bool) -> QuantizeResult:
     from npuq.data.corpora import replaced_characters
     from npuq.models import load_model
-    from npuq.quantize.artifact import check_destination, save_artifact, weights_sha256
+    from npuq.quantize.artifact import ModelInfo, check_destination, save_artifact, weights_sha256
 
     start = time.perf_counter()
     check_destination(out, force)  # cheap checks first: the model takes seconds to load
@@ -167,18 +167,15 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         weight_scales=weight_scales, device=ctx.device,
     )
     replaced = replaced_characters(documents)
-    extra = {
-        "model": {"name": o.model, "source": loaded.source, "weights_sha256": weights_sha256(loaded.model)},
-        "calibration": {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
-                        "tokens": qm.stats["calibration_tokens"], "mode": o.calibration_mode,
-                        "batch_size": o.batch_size, "batch_size_used": qm.stats["batch_size"],
-                        "replacement_characters": replaced,
-                        "num_threads": ctx.requested, "thread_plan": plan.to_dict(),
-                        "device": str(ctx.device)},
-        "optimize": optimized,
-    }
+    model = ModelInfo(o.model, loaded.source, weights_sha256(loaded.model))
+    calibration = {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
+                   "tokens": qm.stats["calibration_tokens"], "mode": o.calibration_mode,
+                   "batch_size": o.batch_size, "batch_size_used": qm.stats["batch_size"],
+                   "replacement_characters": replaced,
+                   "num_threads": ctx.requested, "thread_plan": plan.to_dict(),
+                   "device": str(ctx.device)}
     saving = time.perf_counter()
-    path = save_artifact(qm, out, force=force, extra_config=extra)
+    path = save_artifact(qm, out, force=force, model=model, calibration=calibration, optimize=optimized)
     saved = time.perf_counter() - saving
     s = qm.stats
     return QuantizeResult(

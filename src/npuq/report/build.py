@@ -99,7 +99,7 @@ def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
         "execution": job.ctx.describe(),
         "model": res["model"],
         "scheme": q.scheme,
-        "recipe": {"name": q.recipe, "plan": artifact.get("recipe_plan") or [], "summary": q.recipe_summary},
+        "recipe": {"name": q.recipe, "plan": list(artifact.recipe_plan or ()), "summary": q.recipe_summary},
         "threads": to_json(res["threads"]),
         "calibration": calibration,
         "layers": {"tokens": res["layers"]["tokens"], "layers": layer_list, "worst": worst_layers},

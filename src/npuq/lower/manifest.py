@@ -1,0 +1,163 @@
+"""manifest.json of an export folder as records: written with :func:`npuq.records.to_json`
+and read back with :func:`npuq.records.from_json`, so its fields are defined once, here.
+
+Each record checks on construction what a runner relies on (the checks that need the folder,
+graph files inside it and present, are :func:`npuq.lower.export.read_manifest`'s): the format,
+the model config, a context of at least 2, per graph a distinct ar_len from 1 to the context
+and its inputs and outputs (names, dtypes, shapes, encodings) as
+:class:`npuq.lower.ort.OrtGraph` uses them. Messages say what is wrong; the reader adds the
+file and what to do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from npuq.errors import NpuqError
+from npuq.models.config import ModelConfig
+from npuq.records import optional_key
+
+EXPORT_FORMAT = "npuq-export/1"
+IO_DTYPES = ("float32", "float16", "int64", "int32", "int16", "uint16", "int8", "uint8", "bool")
+
+
+def _numbers(v: float | tuple[float, ...] | int | tuple[int, ...]) -> tuple:
+    """A number or a tuple of numbers, as a tuple of them."""
+    return v if isinstance(v, tuple) else (v,)
+
+
+@dataclass(frozen=True)
+class IOEncoding:
+    """The encoding of a quantized graph input or output (QNN convention: offset = -zero_point);
+    scale and zero point are one number per tensor, or one per channel along ``axis``."""
+
+    dtype: str  # storage type of the codes
+    bits: int
+    qmin: int
+    qmax: int
+    scale: float | tuple[float, ...]
+    zero_point: int | tuple[int, ...]
+    axis: int | None = optional_key()
+    block_size: int | None = optional_key()
+
+    def __post_init__(self) -> None:
+        scales, zero_points = _numbers(self.scale), _numbers(self.zero_point)
+        ok = (self.dtype in IO_DTYPES and self.qmin < self.qmax and scales and zero_points
+              and all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in scales)
+              and all(isinstance(z, int) and self.qmin <= z <= self.qmax for z in zero_points))
+        if not ok:
+            raise NpuqError("an encoding needs a dtype, qmin < qmax, scale > 0 and zero_point within [qmin, qmax]")
+
+
+@dataclass(frozen=True)
+class IOEntry:
+    """One graph input or output as a runner feeds or reads it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy name: float32, int64, uint16, ...
+    encoding: IOEncoding | None = optional_key()  # set when the tensor holds quantized codes
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise NpuqError("an entry has no name")
+        if self.dtype not in IO_DTYPES:
+            raise NpuqError(f"{self.name:.60}: dtype {self.dtype!r:.40} is not one of {', '.join(IO_DTYPES)}")
+        if any(d < 0 for d in self.shape):
+            raise NpuqError(f"{self.name:.60}: shape {list(self.shape)!r:.60} has a negative size")
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One graph of the export: its file (inside the folder), how many tokens a call takes, and
+    its inputs and outputs in call order."""
+
+    file: str
+    external_data: str | None  # the weights file beside a model too large for one protobuf
+    sha256: str
+    ar_len: int
+    inputs: tuple[IOEntry, ...]
+    outputs: tuple[IOEntry, ...]
+    builders: dict[str, str]  # op → builder variant used
+    notes: tuple[dict[str, Any], ...]  # lowering decisions: kind, node and their details
+
+    def __post_init__(self) -> None:
+        for side in ("inputs", "outputs"):
+            if not getattr(self, side):
+                raise NpuqError(f"{side} missing or empty")
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """The artifact the export was lowered from."""
+
+    path: str
+    format: str
+    npuq_version: str | None
+
+
+@dataclass(frozen=True)
+class TokenizerRef:
+    """The model whose tokenizer goes with the graphs (the artifact's model name and source)."""
+
+    model: str | None
+    source: str | None
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the graphs were lowered for (npuq.lower.target)."""
+
+    qnn_version: str | None
+    qnn_version_source: str | None
+    htp_arch: int | None
+    soc: str | None
+
+
+@dataclass(frozen=True)
+class LoweringChoices:
+    """The ``npuq export`` options that changed the lowering."""
+
+    embedding_pattern: str
+    embedding_storage: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json: everything a runner needs besides the graph files."""
+
+    format: str
+    npuq_version: str
+    artifact: ArtifactRef
+    model_config: dict[str, Any]  # ModelConfig.to_dict(); read with :attr:`cfg`
+    context: int
+    tokenizer: TokenizerRef
+    target: TargetInfo
+    opset: int
+    kv_cache: str
+    embedding_pattern: str  # the pattern chosen (plain, legacy, optimized, or several joined by commas)
+    embeddings: dict[str, dict[str, Any]]  # per embedding node: the pattern and why
+    options: LoweringChoices
+    graphs: dict[str, GraphEntry]  # decode, prefill
+
+    def __post_init__(self) -> None:
+        if self.format != EXPORT_FORMAT:
+            raise NpuqError(f"manifest format {self.format!r:.60} is not {EXPORT_FORMAT!r}")
+        ModelConfig.from_dict(self.model_config)  # a wrong key, type or value is an NpuqError
+        if self.context < 2:
+            raise NpuqError(f"context {self.context} is not a whole number of at least 2")
+        if not self.graphs:
+            raise NpuqError("'graphs' is missing or empty")
+        seen: set[int] = set()
+        for kind, entry in self.graphs.items():
+            if not 1 <= entry.ar_len <= self.context or entry.ar_len in seen:
+                raise NpuqError(f"graph {kind!s:.40}: ar_len {entry.ar_len} is not a distinct whole number from 1 to "
+                                f"{self.context}")
+            seen.add(entry.ar_len)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        """``model_config`` as the model's config (checked: a :class:`NpuqError` names what is wrong)."""
+        return ModelConfig.from_dict(self.model_config)
