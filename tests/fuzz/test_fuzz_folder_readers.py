@@ -92,7 +92,7 @@ def _folder(tmp_path, files, name, text):
     return folder
 
 
-ARTIFACT_FILES = ("decode.pt2", "prefill.pt2")
+ARTIFACT_FILES = ("decode.json", "prefill.json", "weights.safetensors")
 EXPORT_FILES = ("decode.onnx", "prefill.onnx")
 
 
@@ -135,12 +135,16 @@ def test_any_json_document(tmp_path, value):
 
 
 @SLOW
+@pytest.mark.parametrize("name", ["decode.json", "weights.safetensors"])
 @given(edits=byte_edits, cut=cuts)
-def test_mutated_program_archive(tiny_folders, tmp_path, edits, cut):
-    path = tmp_path / f"p{next(_count)}" / "decode.pt2"
-    path.parent.mkdir()
-    path.write_bytes(mutate_bytes((tiny_folders.artifact / "decode.pt2").read_bytes(), edits, cut))
-    _expect_result_or_npuq_error(load_program, path)
+def test_mutated_program_files(tiny_folders, tmp_path, name, edits, cut):
+    """A damaged program graph or weights file loads or gives an NpuqError, nothing else."""
+    folder = tmp_path / f"p{next(_count)}"
+    folder.mkdir()
+    for f in ("decode.json", "weights.safetensors"):
+        data = (tiny_folders.artifact / f).read_bytes()
+        (folder / f).write_bytes(mutate_bytes(data, edits, cut) if f == name else data)
+    _expect_result_or_npuq_error(load_program, folder / "decode.json")
 
 
 def test_npuqs_own_files_pass(tiny_folders, seeds):

@@ -168,8 +168,8 @@ def test_artifact_of_another_version(artifact, tmp_path):
 
 def test_missing_program(artifact, tmp_path):
     dst = _copy(artifact, tmp_path)
-    (dst / "prefill.pt2").unlink()
-    with pytest.raises(NpuqError, match="prefill.pt2 is missing"):
+    (dst / "prefill.json").unlink()
+    with pytest.raises(NpuqError, match="prefill.json is missing"):
         export_artifact(dst, tmp_path / "out", ExportOptions(qnn_version="2.51"))
 
 
