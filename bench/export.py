@@ -205,13 +205,10 @@ def pcq_embedding_error(artifact: Path, config) -> dict | None:
     import numpy as np
 
     from npuq.lower import pcq
-    from npuq.lower.fastload import faster_loading
     from npuq.lower.qparams import Encoding, storage_type
     from npuq.quantize.artifact import load_program
 
-    with faster_loading():
-        program = load_program(artifact / config.programs["decode"].file)
-    gm = program.module() if isinstance(program, torch.export.ExportedProgram) else program
+    gm = load_program(artifact / config.programs["decode"].file)
     node = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.embedding.default),
                 None)
     dq = node.args[0] if node is not None else None

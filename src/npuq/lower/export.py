@@ -31,7 +31,6 @@ import onnx
 
 from npuq.fsio import atomic_dir, folder_lock, read_json, resolve_inside
 from npuq.errors import NpuqError
-from npuq.lower.fastload import faster_loading
 from npuq.lower.manifest import (EXPORT_FORMAT, ArtifactRef, GraphEntry, LoweringChoices, Manifest, TargetInfo,
                                  TokenizerRef)
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
@@ -43,7 +42,7 @@ from npuq.records import from_json, to_json
 KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")
 PROTOBUF_LIMIT = 1_800_000_000  # bytes; larger models keep their weights in an external file
 # Where an export's time goes, logged (DEBUG, logger npuq.lower.export) with the record
-# attribute ``npuq_export_phases`` {phase: seconds}: reading the .pt2 programs, lowering them
+# attribute ``npuq_export_phases`` {phase: seconds}: reading the programs (graph JSON + weights), lowering them
 # to ONNX models, encoding the models, writing the folder (files, sha256, manifest).
 PHASES = ("load", "lower", "serialize", "write")
 log = logging.getLogger("npuq.lower.export")
@@ -224,7 +223,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     lowered: dict[str, LoweredGraph] = {}
     blobs: dict[str, bytes | None] = {}  # the file of each graph, or None: saved with external data
     for kind in ("decode", "prefill"):
-        with _timed(phases, "load"), faster_loading():
+        with _timed(phases, "load"):
             program = load_program(program_path(artifact, config, kind))
         with _timed(phases, "lower"):
             g = lower_program(program, target, options.lower_options(), in_names, out_names, is_kv,
