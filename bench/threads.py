@@ -21,7 +21,7 @@ import torch
 
 from npuq.fsio import write_json
 from npuq.models import load_model
-from npuq.threads import EXHAUSTIVE, TuneSettings, cpu_limits, cpu_model, tune
+from npuq.threads import BUDGETED, EXHAUSTIVE, cpu_limits, cpu_model, tune
 from npuq.runtime.workloads import phase_workload
 
 TARGET = 0.05  # the choice may be at most 5 % slower than the oracle's fastest count
@@ -29,7 +29,7 @@ TARGET = 0.05  # the choice may be at most 5 % slower than the oracle's fastest 
 
 def bench_phase(workload, ceiling: int, calib_tokens: int) -> dict:
     default = torch.get_num_threads()
-    tuned = tune(workload.run, ceiling, phase="", default_threads=default, settings=TuneSettings())
+    tuned = tune(workload.run, ceiling, phase="", default_threads=default, settings=BUDGETED)
     oracle = tune(workload.run, ceiling, phase="", default_threads=default, settings=EXHAUSTIVE)
     timed = {n: s for n, s in zip(oracle.candidates, oracle.seconds) if s is not None}
     fastest = min(timed, key=timed.get)

@@ -210,3 +210,26 @@ def test_result_round_trips_through_a_dict():
 def test_settings_are_checked(bad):
     with pytest.raises(ValueError):
         TuneSettings(**bad)
+
+
+def test_the_budget_bounds_round_two_but_every_count_is_measured_once():
+    # 10 s calls: round 1 (warm-up + one sample per count) costs 40 s, past a 30 s budget, so
+    # round 2 adds nothing; the choice rests on one sample per count and is still right.
+    cost = {1: 10.0, 2: 6.0}
+    s = TuneSettings(warmup=1, repeats=3, min_sample_seconds=0.0, stop_ratio=math.inf, warmup_stop_ratio=math.inf,
+                     budget_seconds=30.0)
+    host = FakeHost(cost)
+    r = tune(host.run, 2, default_threads=2, settings=s, clock=host.clock)
+    assert host.calls_at(1) == 2 and host.calls_at(2) == 2
+    assert r.seconds == (10.0, 6.0) and r.best == 2 and r.tuning_seconds == pytest.approx(32.0)
+
+
+def test_round_two_spends_what_the_budget_leaves():
+    # Round 1: 4 calls of 1 s. A 9 s budget leaves 5 s: the faster count (visited first) gets
+    # its warm-up and two more samples (3 s), the slower one its warm-up and one sample (2 s).
+    cost = {1: 1.0, 2: 1.0 - 1e-9}
+    s = TuneSettings(warmup=1, repeats=3, min_sample_seconds=0.0, stop_ratio=math.inf, warmup_stop_ratio=math.inf,
+                     budget_seconds=9.0)
+    host = FakeHost(cost)
+    tune(host.run, 2, default_threads=2, settings=s, clock=host.clock)
+    assert host.calls_at(2) == 2 + 3 and host.calls_at(1) == 2 + 2

@@ -18,6 +18,7 @@ from npuq.fsio import folder_lock
 from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
 from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
 from npuq.runtime.context import ExecutionContext
+from npuq.runtime.workloads import windows_per_forward
 
 GRANULARITIES = ("channel", "layer")
 
@@ -150,7 +151,8 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     if o.context > loaded.config.max_position_embeddings:
         raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
     tokens = corpus_tokens(loaded.tokenizer, documents, o.calib_tokens)
-    plan = ctx.plan_model(loaded.model, (o.phase,), o.context, batch=o.batch_size)
+    batch = windows_per_forward(len(tokens), o.context, o.batch_size)  # the calibration forwards' shape
+    plan = ctx.plan_model(loaded.model, (o.phase,), o.context, batch=batch)
     weight_scales, optimized = None, None
     if o.recovers:
         from npuq.calibrate.split import split_windows

@@ -18,7 +18,7 @@ from npuq.errors import NpuqError
 from npuq.threads import cache
 from npuq.threads.limits import cpu_ceiling
 from npuq.threads.scope import thread_scope
-from npuq.threads.tuner import TuneResult, TuneSettings, Workload, tune
+from npuq.threads.tuner import BUDGETED, TuneResult, TuneSettings, Workload, tune
 
 # measured now, read from the cache, given by the user, torch's count kept (work off the CPU: no tuning)
 SOURCES = ("auto", "cache", "user", "kept")
@@ -84,7 +84,7 @@ def tune_cached(
     ceiling: int | None = None,
     retune: bool = False,
     cache_root: str | os.PathLike | None = None,
-    settings: TuneSettings = TuneSettings(),
+    settings: TuneSettings = BUDGETED,
     on_candidate: Callable[[int, float | None], None] | None = None,
 ) -> TuneResult:
     """The cached result for ``workload`` on this host, or a fresh tuning stored for next time.
@@ -113,7 +113,7 @@ def plan_threads(
     *,
     retune: bool = False,
     cache_root: str | os.PathLike | None = None,
-    settings: TuneSettings = TuneSettings(),
+    settings: TuneSettings = BUDGETED,
 ) -> tuple[ThreadPlan, dict[str, TuneResult]]:
     """A plan for every phase of ``workloads`` and the tuning results behind its "auto"/"cache" entries.
 

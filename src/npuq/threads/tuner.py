@@ -62,6 +62,14 @@ class TuneSettings:
     yet, from paying for all its samples. A sample loops the workload until it lasts
     ``min_sample_seconds``, so short decode steps are not timed one by one. Counts within
     ``tie_tolerance`` of the fastest median are ties, won by the fewest threads.
+
+    ``budget_seconds`` bounds what tuning may cost beyond round 1 (which always runs, so every
+    count is measured once): round 2 makes no call that, by the trial's round-1 time, would end
+    later than that many seconds after tuning began. A calibration forward of a whole batch of
+    windows takes seconds per call, and five calls per count cost more than the calibration
+    they tune (145 s of tuning for 4 s of calibrating SmolLM2-135M on 1024 tokens); a one-off
+    cost of a few milliseconds at a thread-count change is invisible in such a call, so one
+    sample says what it costs.
     """
 
     warmup: int = 1
@@ -71,15 +79,19 @@ class TuneSettings:
     stop_ratio: float = 1.5
     warmup_stop_ratio: float = 3.0
     tie_tolerance: float = 0.03
+    budget_seconds: float = math.inf
 
     def __post_init__(self) -> None:
         if self.warmup < 0 or self.repeats < 1 or self.max_calls_per_sample < 1:
             raise ValueError(f"need warmup >= 0, repeats >= 1, max_calls_per_sample >= 1: {self}")
-        if self.stop_ratio < 1 or self.warmup_stop_ratio < 1 or self.tie_tolerance < 0:
-            raise ValueError(f"need stop ratios >= 1 and tie_tolerance >= 0: {self}")
+        if self.stop_ratio < 1 or self.warmup_stop_ratio < 1 or self.tie_tolerance < 0 or self.budget_seconds < 0:
+            raise ValueError(f"need stop ratios >= 1, tie_tolerance >= 0 and budget_seconds >= 0: {self}")
 
 
 EXHAUSTIVE = TuneSettings(warmup=1, repeats=5, stop_ratio=math.inf, warmup_stop_ratio=math.inf)
+# What npuq plans with: round 2 within 20 s (a decode or prefill step is done in well under a
+# second, so only whole-window calibration forwards ever reach the budget).
+BUDGETED = TuneSettings(budget_seconds=20.0)
 
 
 @dataclass(frozen=True)
@@ -219,10 +231,13 @@ def _first_round(timer: _Timer, trial: _Trial, s: TuneSettings, best_first: floa
     trial.samples.append(timer.calls(trial.calls_per_sample))
 
 
-def _second_round(timer: _Timer, trial: _Trial, s: TuneSettings) -> None:
+def _second_round(timer: _Timer, trial: _Trial, s: TuneSettings, fits: Callable[[float], bool]) -> None:
+    """Warm-up and samples up to ``s.repeats``, each only if ``fits`` its expected seconds."""
     for _ in range(s.warmup):
+        if not fits(trial.first):
+            return
         timer.calls(1)
-    while len(trial.samples) < s.repeats:
+    while len(trial.samples) < s.repeats and fits(trial.first * trial.calls_per_sample):
         trial.samples.append(timer.calls(trial.calls_per_sample))
 
 
@@ -274,12 +289,15 @@ def tune(
         if trial.n in candidates and trial.error is None and trial.samples:
             best_first = trial.samples[0] if best_first is None else min(best_first, trial.samples[0])
 
+    def fits(seconds: float) -> bool:  # within the budget of TuneSettings
+        return clock() + seconds <= start + settings.budget_seconds
+
     best_median: float | None = None  # round 2: best median among candidates
     for trial in sorted((t for t in trials.values() if t.error is None), key=lambda t: t.first):
         if best_median is not None and trial.first > settings.stop_ratio * best_median:
             trial.stopped = True
         elif len(candidates) > 1:  # a single candidate leaves nothing to choose: one sample will do
-            _guarded(scope, trial, lambda: _second_round(timer, trial, settings))
+            _guarded(scope, trial, lambda: _second_round(timer, trial, settings, fits))
             if trial.n in candidates and trial.error is None:
                 best_median = trial.seconds if best_median is None else min(best_median, trial.seconds)
     if on_candidate is not None:
