@@ -9,6 +9,7 @@ and programs whose logits are identical, in memory and after a save and a load.
 """
 
 import dataclasses
+import importlib
 import json
 
 import pytest
@@ -126,6 +127,10 @@ def test_a_stitched_model_quantizes_as_the_three_graph_flow(tmp_path):
 
 
 def test_observer_names_are_torchs_own():
+    """The linear-time namer is really swapped in for the block (it once bound the package's
+    ``prepare`` function instead of the module and swapped nothing), and names as torch does."""
+    fx_prepare = importlib.import_module("torch.ao.quantization.fx.prepare")
+    original = fx_prepare.get_new_attr_name_with_prefix
     _, model = tiny_decoder("qwen2", seed=0, max_context=CONTEXT)
     names = []
     for fast in (True, False):
@@ -133,7 +138,9 @@ def test_observer_names_are_torchs_own():
         quantizer = HtpQuantizer(RECIPES["16a8w"], model.config.num_layers)
         if fast:
             with pt2e._observer_names_in_linear_time():
+                assert fx_prepare.get_new_attr_name_with_prefix is not original
                 prepared = prepare_pt2e(graph, quantizer)
+            assert fx_prepare.get_new_attr_name_with_prefix is original
         else:
             prepared = prepare_pt2e(graph, quantizer)
         names.append([(n.name, n.target) for n in prepared.graph.nodes])

@@ -26,6 +26,7 @@ encodings hold CPU tensors whatever device calibrated them.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 import time
 from collections.abc import Iterator
@@ -97,9 +98,10 @@ def _observer_names_in_linear_time() -> Iterator[None]:
     two million for SmolLM2's 2,000 observers, most of a prepare. Within a prepare observers are
     only ever added, so the first free index never goes down: the stand-in starts each search
     where the last one ended (and still checks each name), which gives the same names. It is
-    swapped in for the block only, and only where torch has the function."""
-    import torch.ao.quantization.fx.prepare as fx_prepare
-
+    swapped in for the block only, and only where torch has the function. (The module is looked
+    up by name: ``import torch.ao.quantization.fx.prepare as m`` binds the package's function
+    ``prepare``, which shadows its submodule.)"""
+    fx_prepare = importlib.import_module("torch.ao.quantization.fx.prepare")
     original = getattr(fx_prepare, "get_new_attr_name_with_prefix", None)
     if original is None:
         yield
