@@ -9,6 +9,7 @@ One run measures, each as a subprocess so imports and the model load are counted
 - ``npuq eval`` of the float model and of that artifact (its QDQ prefill and decode programs)
   on the same ``--eval-tokens`` tokens: ms per token each and their ratio;
 - ``npuq generate`` at ``--num-threads`` 0 (the tuned plan), 1 and 2: decode ms per token;
+- ``npuq quantize`` at each ``--scaling`` calibration token count (1k, 4k, 16k): how the cost grows;
 - with ``--with-peers``: ExecuTorch 1.5.1 in its own virtual environment (out/peers/executorch,
   made when missing: a CPU torch first, of the version ExecuTorch works with, then ExecuTorch),
   running torch.export + ``QnnQuantizer`` 16a8w prepare_pt2e + calibration on the same 1024
@@ -64,10 +65,21 @@ def quantize(args: argparse.Namespace, work: Path) -> dict:
     return warm
 
 
-def _quantize_once(args: argparse.Namespace, work: Path) -> dict:
+def scaling(args: argparse.Namespace, work: Path) -> dict:
+    """Quantize wall time and its calibration seconds at each of ``--scaling`` calibration token
+    counts (thread plan cached): the calibration should grow with the tokens, the rest stay put."""
+    out = {}
+    for n in args.scaling:
+        r = _quantize_once(args, work, n)
+        out[str(n)] = {"wall_seconds": r["wall_seconds"], "calibrate_seconds": r["stages_seconds"]["calibrate"],
+                       "other_seconds": round(r["wall_seconds"] - r["stages_seconds"]["calibrate"], 2)}
+    return out
+
+
+def _quantize_once(args: argparse.Namespace, work: Path, calib_tokens: int | None = None) -> dict:
     artifact, result = work / "artifact", work / "quantize.json"
     wall, _ = run(npuq("quantize", "--model", args.model, "--scheme", args.scheme, "--calib-tokens",
-                       str(args.calib_tokens), "--out", str(artifact), "--force", "--json", str(result)))
+                       str(calib_tokens or args.calib_tokens), "--out", str(artifact), "--force", "--json", str(result)))
     r = json.loads(result.read_text())
     export = r.get("export_seconds") or 0.0
     stages = {
@@ -255,6 +267,8 @@ def main() -> int:
     p.add_argument("--eval-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=96, help="tokens generated per run of the thread check")
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats of the thread check")
+    p.add_argument("--scaling", type=int, nargs="*", default=[1024, 4096, 16384],
+                   help="calibration token counts for the scaling check (none: skip it)")
     p.add_argument("--with-peers", action="store_true", help="also time ExecuTorch 1.5.1's QnnQuantizer flow")
     p.add_argument("--out", default=str(ROOT / "out" / "bench" / "speed.json"))
     args = p.parse_args()
@@ -265,6 +279,8 @@ def main() -> int:
         report["quantize"] = quantize(args, work)
         report["eval"] = evaluate(args, work, report["quantize"]["artifact"])
         report["threads"] = threads(args, work)
+        if args.scaling:
+            report["scaling"] = scaling(args, work)
         if args.with_peers:
             report["executorch"] = peer(args, work, report["quantize"]["wall_seconds"])
     report["quantize"].pop("artifact")
