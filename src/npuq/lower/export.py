@@ -278,7 +278,8 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                 soc=target.soc,
             ),
             opset=21,
-            kv_cache="quantized codes: copy k_new_i / v_new_i outputs into k_cache_i / v_cache_i as they are",
+            kv_cache=("quantized codes: copy k_new_i / v_new_i outputs into k_cache_i / v_cache_i as they are; "
+                      "fill slots no token has written with each cache input's zero point (the code of 0.0)"),
             embedding_pattern=pattern,
             embeddings=per_node,
             options=LoweringChoices(options.embedding_pattern, options.embedding_storage),

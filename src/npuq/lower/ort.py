@@ -158,6 +158,10 @@ class OrtGraph:
         self.inputs = io.inputs
         self.outputs = io.outputs
         self._codes = {s.name for s in self.inputs + self.outputs if s.name.startswith(tuple(cache_prefixes))}
+        # What an empty cache slot holds (npuq.runtime.runner.Graph): each cache input's zero
+        # point, the code of 0.0; 0.0 for a float cache.
+        self.empty_cache = tuple(float(s.encoding.zero_point) if s.encoding is not None else 0.0
+                                 for s in self.inputs if s.name in self._codes)
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         if len(args) != len(self.inputs):

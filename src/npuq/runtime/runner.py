@@ -34,6 +34,10 @@ from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
 from npuq.models.decoder import MASK_VALUE, StaticDecoder
 
+# A graph takes (tokens, mask, positions, K caches, V caches) and returns (logits, K news, V news).
+# A graph whose caches hold quantized codes (an exported ONNX graph) says what an empty slot
+# holds with an attribute ``empty_cache``: one value per cache input, K layers then V layers
+# (the zero point: the code of 0.0). Without it an empty slot holds 0.0.
 Graph = Callable[..., Sequence[torch.Tensor]]
 
 MODES = ("calibrate", "prefill", "decode")
@@ -151,6 +155,17 @@ class StaticRunner:
         # (indexing, not unbind: torch's lazy backend, the device tests' stand-in, breaks on unbind views)
         self.k = [self._k_store[i] for i in range(L)]  # (B, KV, D, ctx) per layer
         self.v = [self._v_store[i] for i in range(L)]  # (B, KV, ctx, D) per layer
+        # Empty slots are masked, but the mask is a finite number (docs/design.md §9): a slot
+        # holding code 0 dequantizes to -zero_point·scale (-145 for a Qwen2.5 K cache), and
+        # q·k of such keys outweighs the mask. So a code-fed graph's empty slots hold its zero
+        # point, which is 0.0 as the float programs see it.
+        fill = getattr(graphs[1], "empty_cache", None)
+        if fill is not None:
+            if len(fill) != 2 * L:
+                raise ValueError(f"empty_cache has {len(fill)} values for {2 * L} cache inputs")
+            for i in range(L):
+                self.k[i].fill_(fill[i])
+                self.v[i].fill_(fill[L + i])
         self.n_past = 0
 
     def _call(self, tokens: torch.Tensor, n_real: int) -> torch.Tensor:
