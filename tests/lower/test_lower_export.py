@@ -31,7 +31,14 @@ def _quantize(tmp_path_factory, name, scheme, embedding=None):
         recipe = dataclasses.replace(recipe, embedding=embedding)
     tokens = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     qm = quantize_model(model, recipe, tokens, context=CONTEXT, prefill_len=PREFILL)
-    return save_artifact(qm, tmp_path_factory.mktemp("artifact") / name)
+    folder = save_artifact(qm, tmp_path_factory.mktemp("artifact") / name)
+    _PROGRAMS[str(folder)] = qm
+    return folder
+
+
+# {artifact folder: the QuantizedModel it was saved from}: the in-memory programs keep their
+# quantize / dequantize nodes, which the noise shares of _runner_vs_artifact take apart.
+_PROGRAMS = {}
 
 
 @pytest.fixture(scope="module")
@@ -77,25 +84,53 @@ def _tokens(n=11):
     return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(3))
 
 
+def _runner_vs_artifact(artifact, out, provider, tokens):
+    """(RMS of the ORT runner's logits minus the artifact's PT2E programs' through the same
+    runner, its bound): the per-point model of qdq_noise.bounded_rms with the output noise
+    shares of the artifact's own programs (rounding only at the SiLU outputs, and everywhere).
+
+    Per point, before rounding: the exact CPU graph lies within FLOAT_DIFF_TYPICAL codes of the
+    program (a SiLU output within that plus its sigmoid re-encoding's slack, test_lower_writer);
+    the HTP emulator within 1 code of the CPU graph and 2 after a SiLU, the stated model of
+    test_lower_htp (its kernels are closed). KV codes the runner carries across steps are
+    requantized points like any other."""
+    from npuq.models.config import ModelConfig
+    from npuq.quantize.artifact import load_artifact
+    from qdq_noise import FLOAT_DIFF_TYPICAL, bounded_rms, rms, sigmoid_slack, without_activation_rounding
+
+    manifest, graphs = load_export(out, provider)
+    qm = _PROGRAMS[str(artifact)]
+    slack = {**sigmoid_slack(qm.decode), **sigmoid_slack(qm.prefill)}
+    silu = set(slack)
+
+    def variant(keep):
+        return dataclasses.replace(qm, decode=without_activation_rounding(qm.decode, keep),
+                                   prefill=without_activation_rounding(qm.prefill, keep)).logits(tokens)
+
+    ref, mid, ideal = load_artifact(artifact).logits(tokens), variant(silu), variant(())
+    assert torch.equal(qm.logits(tokens), ref)  # the programs the artifact holds
+    got = StaticRunner(ModelConfig.from_dict(manifest.model_config), graphs, manifest.context).feed(tokens[0].tolist())
+    assert got.shape == ref.shape
+    if provider == "cpu":
+        d_plain, d_silu = FLOAT_DIFF_TYPICAL, FLOAT_DIFF_TYPICAL + max(slack.values(), default=0.0)
+    else:
+        d_plain, d_silu = 1 + FLOAT_DIFF_TYPICAL, 2 + FLOAT_DIFF_TYPICAL
+    return rms(got - ref), bounded_rms(rms(ref - mid) ** 2, rms(mid - ideal) ** 2, d_plain, d_silu)
+
+
 @pytest.mark.parametrize("provider", ["cpu", "htp"])
 def test_runner_matches_artifact(exported, artifact, provider):
     """Prefill chunks and decode steps through the ORT graphs with quantized KV caches, against
-    the artifact's PT2E programs through the same runner. Bound: 1 % of the largest logit
-    (measured 0.05 % on the CPU, 0.2 % on the HTP)."""
+    the artifact's PT2E programs through the same runner. Bound derived per requantization
+    (:func:`_runner_vs_artifact`; the old, tuned bound was 1 % of the largest logit). Measured
+    (RMS against bound, in logits): CPU 1.4e-4 / 1.3e-3, HTP 7.7e-4 / 3.1e-3, the program's own
+    noise 7.7e-4. Broken on purpose (once): the first linear layer's weight scale 1 % high in
+    both exported graphs fails both (CPU 3.6e-3, HTP 3.6e-3)."""
     if provider == "htp" and qnn_available():
         pytest.skip(qnn_available())
-    from npuq.quantize.artifact import load_artifact
-
     _, out = exported
-    manifest, graphs = load_export(out, provider)
-    from npuq.models.config import ModelConfig
-
-    cfg = ModelConfig.from_dict(manifest.model_config)
-    tokens = _tokens()
-    ref = load_artifact(artifact).logits(tokens)
-    got = StaticRunner(cfg, graphs, manifest.context).feed(tokens[0].tolist())
-    assert got.shape == ref.shape
-    assert float((got - ref).abs().max()) < 0.01 * float(ref.abs().max())
+    got, bound = _runner_vs_artifact(artifact, out, provider, _tokens())
+    assert got <= bound
 
 
 @pytest.mark.parametrize("version, pattern", [("2.51", "optimized"), ("2.37", "legacy")])
@@ -107,18 +142,14 @@ def test_pcq_embedding_pattern_follows_version(pcq_artifact, tmp_path, version, 
 
 
 def test_lpbq_and_pcq_run_on_htp(pcq_artifact, tmp_path):
+    """LPBQ weights and a PCQ embedding table through the HTP emulator, against the PT2E
+    programs: the bound of test_runner_matches_artifact (the old, tuned one: 2 % of the largest
+    logit). Measured: 9.1e-4 against 4.1e-3."""
     if qnn_available():
         pytest.skip(qnn_available())
     export_artifact(pcq_artifact, tmp_path / "out", ExportOptions(qnn_version="2.51", htp_arch=73))
-    from npuq.quantize.artifact import load_artifact
-
-    manifest, graphs = load_export(tmp_path / "out", "htp")
-    from npuq.models.config import ModelConfig
-
-    tokens = _tokens(7)
-    ref = load_artifact(pcq_artifact).logits(tokens)
-    got = StaticRunner(ModelConfig.from_dict(manifest.model_config), graphs, CONTEXT).feed(tokens[0].tolist())
-    assert float((got - ref).abs().max()) < 0.02 * float(ref.abs().max())
+    got, bound = _runner_vs_artifact(pcq_artifact, tmp_path / "out", "htp", _tokens(7))
+    assert got <= bound
 
 
 def test_unknown_version_warns_once_and_uses_legacy(pcq_artifact, tmp_path, monkeypatch, caplog):

@@ -7,6 +7,7 @@ base · clamp(ceil(s_b / base), 1, 16).
 """
 
 import functools
+import math
 
 import pytest
 import torch
@@ -20,12 +21,7 @@ from npuq.runtime.runner import forward_logits
 CONTEXT = 32
 QMAX = {"16a16w": 32767, "16a8w": 127, "16a4w": 7, "16a4w_block": 7, "8a8w": 127}
 
-# SQNR of logits (dB) on held-out random tokens, tiny random llama, 4 calibration windows.
-# Measured: 16a16w 33.5, 16a8w 31.1, 16a4w 9.4, 16a4w_block 10.5, 8a8w 11.5, pcq8 30.5,
-# pcq4 14.4, kv8 30.0. Thresholds sit 3-5 dB below (16-bit is limited by ranges unseen in
-# calibration, 4-bit by random weights without structure).
-SQNR_MIN = {"16a16w": 28.0, "16a8w": 26.0, "16a4w": 6.0, "16a4w_block": 7.0, "8a8w": 8.0,
-            "16a8w+pcq8": 26.0, "16a8w+pcq4": 10.0, "16a8w+kv8": 25.0}
+KEYS = ["16a16w", "16a8w", "16a4w", "16a4w_block", "8a8w", "16a8w+pcq8", "16a8w+pcq4", "16a8w+kv8"]
 RECIPES = {
     **{s: Recipe(s) for s in QMAX},
     "16a8w+pcq8": Recipe("16a8w", embedding="pcq8"),
@@ -116,12 +112,45 @@ def _float_logits():
     return tokens, forward_logits(model, tokens)
 
 
-@pytest.mark.parametrize("key", sorted(SQNR_MIN))
+DRAWS = 4
+FACTOR_DB = 3.0
+
+
+@pytest.mark.parametrize("key", KEYS)
 def test_quantized_logits_close_to_float(key):
+    """The logits' SQNR against float (held-out random tokens) is at least what the step sizes
+    predict, less 3 dB.
+
+    Prediction: rounding to a step Δ adds an error uniform on ±Δ/2 (power Δ²/12), and a range
+    clips what lies outside it. ``modelled_logits`` (tests/qdq_noise.py) runs the program with
+    exactly that noise model at every quantization point -- each weight, table, RoPE-table and
+    gamma element is its float value plus uniform noise of its own (per-channel, per-block or
+    per-row) step; each activation requantization is a clamp to its range plus uniform noise of
+    its step -- so the noise power it gives is what the steps predict, every op's gain (softmax,
+    norms, residual sums) included. A plain sum of the points' (Δ²/12) / P misses those gains:
+    it predicted 8a8w 7 dB better than measured (18.0 against 11.0 dB), hence the run rather
+    than a formula.
+    Bound: the real rounding is one realization of that error, so its noise power lies within a
+    factor 2 (3 dB) of the model's mean power over DRAWS draws: the draws themselves lie within
+    -0.9..+1.0 dB of their mean here (a 4-bit table with few rows in use spreads most), and the
+    real error is as close to uniform as a draw. Measured (seed 0): the real SQNR lies 0.8 dB
+    below (16a8w+kv8) to 0.9 dB above (16a8w+pcq4) the model, a margin of 2.2-3.9 dB
+    (16a8w: 30.4 against 31.1 predicted); 16a16w sits at 33.9 dB, limited by its ranges
+    clipping on tokens not seen in calibration, which the model reproduces. Broken on purpose
+    (once): every activation dequantize reading its zero point one code off its quantize
+    makes 8a8w fail (1.6 dB against a bound of 5.1 dB); a constant more than half a step off
+    its float parameter fails already in ``float_constants``.
+    """
+    from qdq_noise import modelled_logits
+
     tokens, ref = _float_logits()
-    out = _quantized(key).logits(tokens)
+    qm = _quantized(key)
+    out = qm.logits(tokens)
     assert out.shape == ref.shape
-    assert _sqnr(ref, out) >= SQNR_MIN[key], f"{key}: SQNR {_sqnr(ref, out):.2f} dB"
+    noise = sum(float((modelled_logits(qm, _model(), tokens, seed=s) - ref).pow(2).mean()) for s in range(DRAWS))
+    predicted = 10 * math.log10(float(ref.pow(2).mean()) / (noise / DRAWS))
+    got = _sqnr(ref, out)
+    assert got >= predicted - FACTOR_DB, f"{key}: SQNR {got:.2f} dB, the steps predict {predicted:.2f} dB"
 
 
 def test_more_bits_more_accuracy():
