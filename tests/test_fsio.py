@@ -104,3 +104,20 @@ def test_ctrl_c_while_writing_keeps_the_old_folder(tmp_path):
     assert sorted(p.name for p in final.iterdir()) == ["old.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def test_files_written_private_come_out_as_ordinary_files(tmp_path):
+    """safetensors and ONNX's external data create 0600 files; the finished folder has the
+    modes of ordinary files (0666 less the umask), like the folder itself."""
+    mask = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "out") as tmp:
+            fd = os.open(tmp / "weights.safetensors", os.O_WRONLY | os.O_CREAT, 0o600)
+            os.close(fd)
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "a.txt").write_text("x")
+            os.chmod(tmp / "sub" / "a.txt", 0o600)
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "out" / "weights.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "out" / "sub" / "a.txt").stat().st_mode & 0o777 == 0o644

@@ -84,6 +84,11 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary folder
     try:
         yield tmp
+        # Some writers (safetensors, ONNX external data) create their files private (0600):
+        # the folder's files get the modes of ordinary files.
+        for f in tmp.rglob("*"):
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, 0o666 & ~_umask())
         with interrupts_deferred():  # Ctrl-C between the renames would leave the old folder aside
             if not final.exists():
                 os.replace(tmp, final)
