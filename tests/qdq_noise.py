@@ -132,21 +132,19 @@ def with_8bit_second_inputs(cgm):
 
 
 # --------------------------------------------------------------------------- signal to noise
-def _attr(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _const(gm, node):
+def constant(gm, node):
+    """Evaluate a node whose inputs are all constants (get_attr) in a converted graph."""
     if isinstance(node, (list, tuple)):
-        return type(node)(_const(gm, n) for n in node)
+        return type(node)(constant(gm, n) for n in node)
     if not isinstance(node, torch.fx.Node):
         return node
     if node.op == "get_attr":
-        return _attr(gm, node.target)
-    raise ValueError(node)
+        obj = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        return obj
+    assert node.op == "call_function", node
+    return node.target(*constant(gm, node.args), **{k: constant(gm, v) for k, v in node.kwargs.items()})
 
 
 def _step(gm, n):
@@ -156,15 +154,15 @@ def _step(gm, n):
         return None
     t = str(n.target)
     if "dequantize_per_tensor" in t:
-        codes, scale, zp, qmin, qmax = _const(gm, n.args[:5])
+        codes, scale, zp, qmin, qmax = constant(gm, n.args[:5])
         step = torch.full(codes.shape, float(scale))
     elif "dequantize_per_channel" in t:
-        codes, scale, zp, axis, qmin, qmax = _const(gm, n.args[:6])
+        codes, scale, zp, axis, qmin, qmax = constant(gm, n.args[:6])
         shape = [1] * codes.dim()
         shape[axis] = -1
         step = scale.reshape(shape).expand(codes.shape)
     elif "dequantize_affine" in t:
-        codes, block, scale = _const(gm, n.args[:3])
+        codes, block, scale = constant(gm, n.args[:3])
         qmin = n.args[5]
         step = scale
         for d, b in enumerate(block):
@@ -175,7 +173,7 @@ def _step(gm, n):
 
 
 def _evaluate(gm, n):
-    return n.target(*_const(gm, n.args), **{k: _const(gm, v) for k, v in n.kwargs.items()})
+    return n.target(*constant(gm, n.args), **{k: constant(gm, v) for k, v in n.kwargs.items()})
 
 
 # Ops that only move data: a requantization of their output to their input's encoding rounds

@@ -17,6 +17,7 @@ from npuq.quant.graph import module_path
 from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import Recipe
 from npuq.runtime.runner import forward_logits
+from qdq_noise import constant, modelled_logits
 
 CONTEXT = 32
 QMAX = {"16a16w": 32767, "16a8w": 127, "16a4w": 7, "16a4w_block": 7, "8a8w": 127}
@@ -42,21 +43,6 @@ def _quantized(key):
     return quantize_model(model, RECIPES[key], ids, context=CONTEXT)
 
 
-def _const(gm, node):
-    """Evaluate a node whose inputs are all constants (get_attr) in a converted graph."""
-    if isinstance(node, (list, tuple)):
-        return type(node)(_const(gm, n) for n in node)
-    if not isinstance(node, torch.fx.Node):
-        return node
-    if node.op == "get_attr":
-        obj = gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part)
-        return obj
-    assert node.op == "call_function", node
-    return node.target(*_const(gm, node.args), **{k: _const(gm, v) for k, v in node.kwargs.items()})
-
-
 def reference_weight(w, qmax, block=None):
     """(dequantized weight, scale per element) by the integer reference of the module docstring."""
     if block is None:
@@ -78,7 +64,7 @@ def test_weights_within_one_step_of_integer_reference(scheme):
     assert len(linears) == 7 * _model().config.num_layers + 1
     for node in linears:
         w = params[module_path(node) + ".weight"].detach()
-        got = _const(qm.decode, node.args[1])
+        got = constant(qm.decode, node.args[1])
         ref, step = reference_weight(w, QMAX[scheme], 32 if scheme == "16a4w_block" else None)
         assert got.shape == w.shape
         err = ((got - ref).abs() / step).max().item()
@@ -95,8 +81,8 @@ def test_bias_is_int32_with_scale_input_times_weight():
     qm = _quantized("16a8w")
     lin = next(n for n in qm.decode.graph.nodes if n.target == torch.ops.aten.linear.default and len(n.args) > 2)
     bias_dq, weight_dq, x_dq = lin.args[2], lin.args[1], lin.args[0]
-    b_scale = _const(qm.decode, bias_dq.args[1])
-    w_scale = _const(qm.decode, weight_dq.args[1])
+    b_scale = constant(qm.decode, bias_dq.args[1])
+    w_scale = constant(qm.decode, weight_dq.args[1])
     assert bias_dq.args[-1] == torch.int32 and int(bias_dq.args[4]) == torch.iinfo(torch.int32).min
     assert torch.allclose(b_scale, float(x_dq.args[1]) * w_scale, rtol=1e-6)
 
@@ -141,8 +127,6 @@ def test_quantized_logits_close_to_float(key):
     makes 8a8w fail (1.6 dB against a bound of 5.1 dB); a constant more than half a step off
     its float parameter fails already in ``float_constants``.
     """
-    from qdq_noise import modelled_logits
-
     tokens, ref = _float_logits()
     qm = _quantized(key)
     out = qm.logits(tokens)
