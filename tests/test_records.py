@@ -27,7 +27,7 @@ OTHER = {
                       "batch_size": 2, "seq_mse": 50, "seq_mse_granularity": "layer", "weight_rounding": "gptq",
                       "layer_inputs": "float", "act_order": False},
     ExportOptions: {"qnn_version": "2.47", "htp_arch": 75, "soc": "SM8650", "embedding_pattern": "legacy",
-                    "embedding_storage": "int8-rowscale"},
+                    "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True},
     EvalOptions: {"corpus": "wikitext2", "split": "calib", "context": 128, "max_docs": 3, "max_tokens": None,
                   "batch_size": 1},
     RunOptions: {"quantize": QuantizeOptions(context=256), "export": ExportOptions(htp_arch=73), "eval_corpus": "wikitext2",
@@ -35,7 +35,9 @@ OTHER = {
 }
 # fields that need a companion change to stay valid
 COMPANIONS = {("QuantizeOptions", "layer_inputs"): {"seq_mse": 50}, ("QuantizeOptions", "act_order"): {"weight_rounding": "gptq"},
-              ("EvalOptions", "max_docs"): {}, ("QuantizeOptions", "seq_mse_granularity"): {"seq_mse": 50}}
+              ("EvalOptions", "max_docs"): {}, ("QuantizeOptions", "seq_mse_granularity"): {"seq_mse": 50},
+              ("ExportOptions", "compile"): {"htp_arch": 73},
+              ("ExportOptions", "share_weights"): {"htp_arch": 73, "compile": True}}
 
 
 def _variants(cls):

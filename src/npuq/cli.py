@@ -151,7 +151,8 @@ def _export_options(args: argparse.Namespace) -> Any:
     from npuq.lower.export import ExportOptions
 
     return ExportOptions(qnn_version=args.qnn_version, htp_arch=args.htp_arch, soc=args.soc,
-                         embedding_pattern=args.embedding_pattern, embedding_storage=args.embedding_storage)
+                         embedding_pattern=args.embedding_pattern, embedding_storage=args.embedding_storage,
+                         compile=args.compile, share_weights=args.share_weights)
 
 
 def _add_quantize_options(p: argparse.ArgumentParser) -> None:
@@ -209,6 +210,14 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
                    help="how the optimized pattern stores the table: u16 (re-encoded to the output encoding, "
                         "2 bytes per element) or int8-rowscale (int8 codes + a gathered uint16 row-scale vector) "
                         "(default: u16)")
+    p.add_argument("--compile", action="store_true",
+                   help="also compile each graph to a QNN HTP context binary with onnxruntime-qnn (emulated on x86): "
+                        "decode_ctx.onnx + decode_ctx_qnn.bin, prefill_ctx.onnx + prefill_ctx_qnn.bin, for the chip "
+                        "of --soc / --htp-arch (required); 'eval'/'generate --provider htp' then run them")
+    p.add_argument("--share-weights", action="store_true",
+                   help="with --compile: one context binary holding the weights once for both graphs (half the size "
+                        "on a device); the HTP emulator cannot load it, so it is verified only on a device and "
+                        "'--provider htp' runs the QDQ graphs instead")
 
 
 # --------------------------------------------------------------------------- info
@@ -243,7 +252,10 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
                       prefill_len=args.prefill_len, graphs=graphs, ctx=ctx)
     print(args.prompt + result.text)
     print(f"[{result.describe()}]", file=sys.stderr)
-    return to_json(result)
+    out = to_json(result)
+    if graphs is not None:  # what ran: artifact or onnx folder, provider, files (QDQ graphs or QNN contexts)
+        out["graphs"] = programs.describe()
+    return out
 
 
 # --------------------------------------------------------------------------- eval
@@ -354,7 +366,9 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.records import to_json
 
     result = export_artifact(args.artifact, args.out, _export_options(args), force=args.force)
-    print(f"{args.out}: decode.onnx, prefill.onnx, manifest.json for {result.describe()} [{result.seconds:.1f} s]")
+    compiled = ", decode_ctx.onnx, prefill_ctx.onnx + .bin" if result.compile_seconds is not None else ""
+    print(f"{args.out}: decode.onnx, prefill.onnx, encodings.json{compiled}, manifest.json for {result.describe()} "
+          f"[{result.seconds:.1f} s]")
     return to_json(result)
 
 
@@ -407,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(their context and prefill length apply)")
     quantized.add_argument("--onnx", metavar="DIR", help="generate with an exported folder's ONNX graphs")
     p.add_argument("--provider", choices=("cpu", "htp"), default="cpu",
-                   help="with --onnx: ONNX Runtime's CPU provider or the QNN HTP backend (default: cpu)")
+                   help="with --onnx: ONNX Runtime's CPU provider (the QDQ graphs) or the QNN HTP backend (the "
+                        "folder's compiled contexts when it has them, else the QDQ graphs) (default: cpu)")
     _add_device(p, "the float model or the --artifact programs run (--onnx: always the CPU side)")
     _add_threads(p)
     _add_common(p)
@@ -438,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantized.add_argument("--onnx", metavar="DIR", help="evaluate an exported folder ('npuq export --out') with ONNX Runtime")
     p.add_argument("--provider", choices=("cpu", "htp"), default="cpu",
                    help="with --onnx: cpu (exact QDQ reference, graph optimizations off) or htp (the QNN HTP "
-                        "backend of onnxruntime-qnn, emulated on the CPU, fallback disabled) (default: cpu)")
+                        "backend of onnxruntime-qnn, emulated on the CPU, fallback disabled; runs the folder's "
+                        "compiled contexts when 'export --compile' made them) (default: cpu)")
     _add_device(p, "the float model or the --artifact programs are scored (--onnx: always the CPU side)")
     _add_threads(p)
     _add_common(p)
@@ -484,7 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="lower a quantized artifact to QDQ ONNX for the QNN HTP (decode + prefill + manifest)",
                        description="Lower the artifact's decode and prefill programs to opset-21 QDQ ONNX graphs "
                                    "with static shapes and quantized KV-cache I/O, choosing patterns by the target "
-                                   "QNN SDK version and HTP architecture; write manifest.json beside them.")
+                                   "QNN SDK version and HTP architecture; write encodings.json (the encodings of "
+                                   "both graphs in AIMET's format 1.0.0, named by ONNX tensor) and manifest.json "
+                                   "beside them. With --compile, also QNN HTP context binaries for the target chip.")
     p.add_argument("--artifact", required=True, metavar="DIR", help="folder written by 'npuq quantize --out'")
     p.add_argument("--out", required=True, metavar="DIR", help="export folder to write (must not exist unless --force)")
     _add_target_options(p)

@@ -20,7 +20,7 @@ from run_inputs import run_argv as argv
 STAGES = ["model", "threads", "quantize", "eval-float", "eval-quantized", "layers", "generate", "export",
           "eval-exported"]
 ARTIFACT_FILES = {"decode.json", "prefill.json", "weights.safetensors", "encodings.json", "config.json"}
-ONNX_FILES = {"decode.onnx", "prefill.onnx", "manifest.json"}
+ONNX_FILES = {"decode.onnx", "prefill.onnx", "encodings.json", "manifest.json"}
 REPORT_KEYS = {"npuq_version", "created", "options", "execution", "model", "scheme", "recipe", "threads", "calibration", "layers",
                "perplexity", "export", "generations", "files", "stages", "seconds"}
 
@@ -77,7 +77,9 @@ def test_second_run_reuses_every_stage_and_export_options_redo_only_the_export(f
 
 # An alternative value for every ExportOptions field; the test fails for a field missing here.
 EXPORT_CHANGES = {"qnn_version": "2.47", "htp_arch": "75", "soc": "SM8650", "embedding_pattern": "legacy",
-                  "embedding_storage": "int8-rowscale"}
+                  "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True}
+# flags that need a companion flag (--share-weights applies to --compile only)
+EXPORT_COMPANIONS = {"share_weights": ["--compile"]}
 
 
 def test_every_export_option_redoes_exactly_the_export_and_its_evaluation(first_run, inputs):
@@ -95,10 +97,14 @@ def test_every_export_option_redoes_exactly_the_export_and_its_evaluation(first_
         if name == "soc":  # --soc and --htp-arch exclude each other
             i = base.index("--htp-arch")
             del base[i:i + 2]
-        assert main([*base, f"--{name.replace('_', '-')}", value]) == 0, name
+        flag = [f"--{name.replace('_', '-')}"] + ([] if value is True else [value])
+        assert main([*base, *EXPORT_COMPANIONS.get(name, []), *flag]) == 0, name
         report = json.loads((out / "report.json").read_text())
         assert [s["stage"] for s in report["stages"] if not s["cached"]] == ["export", "eval-exported"], name
-        assert report["options"]["export"][name] in (value, int(value) if value.isdigit() else value), name
+        if value is True:
+            assert report["options"]["export"][name] is True, name
+        else:
+            assert report["options"]["export"][name] in (value, int(value) if value.isdigit() else value), name
 
 
 def test_interrupted_run_resumes_to_the_same_encodings(first_run, inputs, tmp_path):

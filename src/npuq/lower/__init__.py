@@ -7,7 +7,9 @@
     pcq.py           per-channel embedding patterns (legacy, optimized) in numpy
     patterns.py      multi-node patterns lowered as one op (RMSNorm)
     onnx_writer.py   walks the program, runs the builders, writes the graph
-    export.py        artifact → decode.onnx + prefill.onnx + manifest.json
+    export.py        artifact → decode.onnx + prefill.onnx + encodings.json + manifest.json (+ contexts)
+    aimet.py         the graphs' encodings in AIMET's format 1.0.0 (encodings.json)
+    compile.py       QNN HTP context binaries of the graphs (export --compile)
     manifest.py      manifest.json as records (one schema for writing and reading it)
     ort.py           ONNX Runtime sessions of an export folder (CPU exact QDQ, QNN HTP emulator)
 """

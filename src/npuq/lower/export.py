@@ -2,6 +2,10 @@
 
     OUT/decode.onnx     AR-1 graph, opset 21 QDQ, static shapes, KV caches as quantized codes
     OUT/prefill.onnx    AR-N graph, same encodings
+    OUT/encodings.json  the encodings of both graphs in AIMET's format 1.0.0, named by ONNX tensor
+                        (npuq.lower.aimet, docs/design.md §11)
+    OUT/<graph>_ctx.onnx + its .bin   with --compile: QNN HTP context binaries of both graphs
+                        for the target's HTP arch (npuq.lower.compile, docs/design.md §11)
     OUT/manifest.json   I/O names, shapes, dtypes and encodings; context; target (QNN version
                         and where it came from, HTP arch); the pattern chosen per embedding
                         and every other lowering decision; the tokenizer reference
@@ -31,20 +35,25 @@ import onnx
 
 from npuq.fsio import atomic_dir, folder_lock, read_json, resolve_inside
 from npuq.errors import NpuqError
-from npuq.lower.manifest import (EXPORT_FORMAT, ArtifactRef, GraphEntry, LoweringChoices, Manifest, TargetInfo,
-                                 TokenizerRef)
+from npuq.lower.aimet import FORMAT_VERSION as AIMET_VERSION
+from npuq.lower.aimet import graph_encodings, merge_encodings
+from npuq.lower.compile import check_can_compile, compile_contexts
+from npuq.lower.manifest import (EXPORT_FORMAT, ArtifactRef, EncodingsFile, GraphEntry, LoweringChoices, Manifest,
+                                 TargetInfo, TokenizerRef)
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.quantize.artifact import load_program, program_path, read_artifact
-from npuq.records import from_json, to_json
+from npuq.records import from_json, optional_key, to_json
 
 KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")
+ENCODINGS_FILE = "encodings.json"  # AIMET 1.0.0 (the artifact's npuq-internal encodings.json is another format)
 PROTOBUF_LIMIT = 1_800_000_000  # bytes; larger models keep their weights in an external file
 # Where an export's time goes, logged (DEBUG, logger npuq.lower.export) with the record
 # attribute ``npuq_export_phases`` {phase: seconds}: reading the programs (graph JSON + weights), lowering them
-# to ONNX models, encoding the models, writing the folder (files, sha256, manifest).
-PHASES = ("load", "lower", "serialize", "write")
+# to ONNX models (and reading their AIMET encodings), encoding the models, writing the folder (files, sha256,
+# manifest), compiling QNN contexts (--compile).
+PHASES = ("load", "lower", "serialize", "write", "compile")
 log = logging.getLogger("npuq.lower.export")
 
 
@@ -157,10 +166,22 @@ class ExportOptions:
     soc: str | None = None  # a chip name such as SM8650 (sets htp_arch)
     embedding_pattern: str = "auto"  # auto | legacy | optimized
     embedding_storage: str = "u16"  # u16 | int8-rowscale
+    # --compile: QNN HTP context binaries too; --share-weights: one binary for both graphs (device
+    # only). None when off, so the key of an export without them is what it was before them.
+    compile: bool | None = optional_key()
+    share_weights: bool | None = optional_key()
 
     def __post_init__(self) -> None:
         if self.htp_arch is not None and self.soc is not None:
             raise NpuqError("pass either --htp-arch or --soc, not both")
+        for flag in ("compile", "share_weights"):
+            if not getattr(self, flag):
+                object.__setattr__(self, flag, None)
+        if self.share_weights and not self.compile:
+            raise NpuqError("--share-weights applies to compiled contexts: add --compile, or drop --share-weights")
+        if self.compile and self.htp_arch is None and self.soc is None:
+            raise NpuqError("--compile needs the target chip, since a QNN context binary runs on one HTP "
+                            "architecture only: add --soc NAME (e.g. SM8650) or --htp-arch A (68, 69, 73, 75, 79, 81)")
         if self.qnn_version is not None:
             parse_version(self.qnn_version)
         if self.htp_arch is not None:
@@ -184,13 +205,19 @@ class ExportResult:
     htp_arch: int | None
     soc: str | None
     embedding_pattern: str  # the pattern chosen (plain, legacy, optimized, or several joined by commas)
-    files: dict[str, str]  # decode, prefill, manifest → path
+    files: dict[str, str]  # decode, prefill, encodings, manifest (and decode_ctx, decode_ctx_bin, ...) → path
     seconds: float
+    compile_seconds: float | None = optional_key()  # with --compile
+    share_weights: bool | None = optional_key()  # with --compile --share-weights
 
     def describe(self) -> str:
         qnn = f"QNN {self.qnn_version} ({self.qnn_version_source})" if self.qnn_version else "QNN version unknown"
         arch = (f"HTP v{self.htp_arch}" + (f" ({self.soc})" if self.soc else "")) if self.htp_arch else "HTP arch unknown"
-        return f"{qnn}, {arch}; embedding pattern {self.embedding_pattern}"
+        text = f"{qnn}, {arch}; embedding pattern {self.embedding_pattern}"
+        if self.compile_seconds is not None:
+            shared = ", weights shared (verified only on a device)" if self.share_weights else ""
+            text += f"; QNN contexts compiled in {self.compile_seconds:.1f} s{shared}"
+        return text
 
 
 def export_artifact(
@@ -215,6 +242,8 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
         raise NpuqError(f"{out} already exists: pass --force to replace it, or choose another --out")
     if target is None:
         target = options.target()
+    if options.compile:
+        check_can_compile()
     config = read_artifact(artifact)
     cfg = config.cfg
     in_names, out_names = io_names(cfg.num_layers)
@@ -222,6 +251,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     phases = dict.fromkeys(PHASES, 0.0)
     lowered: dict[str, LoweredGraph] = {}
     blobs: dict[str, bytes | None] = {}  # the file of each graph, or None: saved with external data
+    encodings: dict[str, tuple[dict, dict]] = {}  # AIMET entries of each graph, read before the proto goes
     for kind in ("decode", "prefill"):
         with _timed(phases, "load"):
             program = load_program(program_path(artifact, config, kind))
@@ -229,11 +259,14 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
             g = lower_program(program, target, options.lower_options(), in_names, out_names, is_kv,
                               graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
             del program
+            encodings[kind] = graph_encodings(g.model)
         with _timed(phases, "serialize"):
             blobs[kind] = _serialize(g.model)
         # The bytes are what gets written: drop the proto (as big as the weights) unless needed.
         lowered[kind] = g if blobs[kind] is None else dataclasses.replace(g, model=onnx.ModelProto())
     check_kv_encodings(lowered)
+    aimet = merge_encodings(encodings)  # decode and prefill must agree on every tensor they share
+    aimet_text = json.dumps(aimet, separators=(",", ":")) + "\n"
     log_notes_once([n for g in lowered.values() for n in g.notes])
 
     pattern, per_node = _embedding_summary({k: g.notes for k, g in lowered.items()})
@@ -241,7 +274,10 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
 
     # Serialized size is exact (external data, if any, holds the same bytes); + the manifest.
     sizes = [len(blobs[k]) if blobs[k] is not None else g.model.ByteSize() for k, g in lowered.items()]
-    check_free_disk(out, sum(sizes) + (1 << 20), f"the export {out}")
+    # --compile: each context binary holds about the graph's weights again.
+    contexts = 0 if not options.compile else (max(sizes) if options.share_weights else sum(sizes))
+    check_free_disk(out, sum(sizes) + contexts + len(aimet_text) + (1 << 20), f"the export {out}")
+    compiled = None
     with _timed(phases, "write"), atomic_dir(out) as tmp:
         files: dict[str, str] = {}
         graphs: dict[str, GraphEntry] = {}
@@ -263,6 +299,14 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                 builders=g.builders,
                 notes=tuple({"kind": n.kind, "node": n.node, **n.detail} for n in g.notes if n.kind != "embedding_pattern"),
             )
+        (tmp / ENCODINGS_FILE).write_text(aimet_text, encoding="utf-8")
+        files["encodings"] = str(out / ENCODINGS_FILE)
+        if options.compile:
+            with _timed(phases, "compile"):
+                compiled = compile_contexts(tmp, {k: e.file for k, e in graphs.items()}, target.htp_arch, target.soc,
+                                            bool(options.share_weights))
+            for kind, c in compiled.graphs.items():
+                files[f"{kind}_ctx"], files[f"{kind}_ctx_bin"] = str(out / c.file), str(out / c.binary)
         model_info = config.model
         manifest = Manifest(
             format=EXPORT_FORMAT,
@@ -284,13 +328,19 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
             embeddings=per_node,
             options=LoweringChoices(options.embedding_pattern, options.embedding_storage),
             graphs=graphs,
+            encodings=EncodingsFile(ENCODINGS_FILE, f"aimet-{AIMET_VERSION}", _sha256(tmp / ENCODINGS_FILE),
+                                    len(aimet["activation_encodings"]), len(aimet["param_encodings"])),
+            compiled=compiled,
         )
         (tmp / "manifest.json").write_text(json.dumps(to_json(manifest), indent=2) + "\n", encoding="utf-8")
         files["manifest"] = str(out / "manifest.json")
+    phases["write"] -= phases["compile"]  # compiled inside the folder being written
     log.debug("export %s: %s", out, ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()),
               extra={"npuq_export_phases": phases})
     return ExportResult(manifest.target.qnn_version, target.qnn_version_source, target.htp_arch, target.soc,
-                        pattern, files, time.perf_counter() - start)
+                        pattern, files, time.perf_counter() - start,
+                        compile_seconds=round(phases["compile"], 3) if compiled else None,
+                        share_weights=True if compiled and compiled.share_weights else None)
 
 
 # --------------------------------------------------------------------------- reading it back
@@ -317,4 +367,12 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
             raise NpuqError(f"{at}: {entry.file} is missing; {again}")
         if entry.external_data is not None:
             resolve_inside(folder, entry.external_data, at)
+    if manifest.encodings is not None:
+        resolve_inside(folder, manifest.encodings.file, f"{where}, encodings")
+    if manifest.compiled is not None:
+        for kind, c in manifest.compiled.graphs.items():
+            at = f"{where}, compiled context {kind!s:.40}"
+            for name in (c.file, c.binary):
+                if not resolve_inside(folder, name, at).is_file():
+                    raise NpuqError(f"{at}: {name} is missing; {again} with --compile")
     return manifest

@@ -125,6 +125,49 @@ class LoweringChoices:
 
 
 @dataclass(frozen=True)
+class EncodingsFile:
+    """The export's encodings in AIMET's format 1.0.0, one file for every graph (docs/design.md §11)."""
+
+    file: str
+    format: str  # "aimet-1.0.0"
+    sha256: str
+    activations: int  # entries of each list
+    params: int
+
+
+@dataclass(frozen=True)
+class ContextEntry:
+    """One graph compiled to a QNN context binary: an EPContext model and the binary it loads."""
+
+    file: str  # <graph>_ctx.onnx
+    binary: str  # the .bin it names (weight-shared contexts name the same one)
+    file_bytes: int
+    binary_bytes: int
+    seconds: float  # compile time
+
+    def __post_init__(self) -> None:
+        if not self.file or not self.binary:
+            raise NpuqError("a compiled context needs its file and its binary")
+
+
+@dataclass(frozen=True)
+class CompiledContexts:
+    """``npuq export --compile``: QNN HTP context binaries of the graphs (docs/design.md §11)."""
+
+    compiler: str  # onnxruntime and onnxruntime-qnn versions
+    qnn_version: str | None  # QNN SDK of the compiler (its build id)
+    htp_arch: int  # what the contexts were compiled for (and must be loaded with)
+    soc: str | None
+    share_weights: bool  # one binary for all graphs
+    verified: str  # where loading them is verified: "emulator and device" or "device only"
+    graphs: dict[str, ContextEntry]  # decode, prefill
+
+    def __post_init__(self) -> None:
+        if not self.graphs:
+            raise NpuqError("compiled contexts list no graphs")
+
+
+@dataclass(frozen=True)
 class Manifest:
     """manifest.json: everything a runner needs besides the graph files."""
 
@@ -141,6 +184,8 @@ class Manifest:
     embeddings: dict[str, dict[str, Any]]  # per embedding node: the pattern and why
     options: LoweringChoices
     graphs: dict[str, GraphEntry]  # decode, prefill
+    encodings: EncodingsFile | None = optional_key()  # absent in exports of npuq before it
+    compiled: CompiledContexts | None = optional_key()  # with --compile only
 
     def __post_init__(self) -> None:
         if self.format != EXPORT_FORMAT:
@@ -156,6 +201,9 @@ class Manifest:
                 raise NpuqError(f"graph {kind!s:.40}: ar_len {entry.ar_len} is not a distinct whole number from 1 to "
                                 f"{self.context}")
             seen.add(entry.ar_len)
+        if self.compiled is not None and set(self.compiled.graphs) != set(self.graphs):
+            raise NpuqError(f"compiled contexts of {sorted(self.compiled.graphs)} do not match the graphs "
+                            f"{sorted(self.graphs)}")
 
     @property
     def cfg(self) -> ModelConfig:

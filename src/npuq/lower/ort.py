@@ -7,6 +7,8 @@ backend (in CPU emulation on x86-64 hosts, on the NPU on a device).
 - :func:`htp_session` registers the onnxruntime-qnn plugin, points it at its HTP backend
   library and disables CPU fallback, so session creation proves the whole graph runs on the
   HTP. ``htp_arch`` must be the target chip's (v73+ for 16-bit × int16 MatMul).
+- :func:`load_export` opens an export folder; on ``htp`` it loads the folder's compiled QNN
+  contexts when it has them (``npuq export --compile``, docs/design.md §11), else the QDQ graphs.
 - :class:`OrtGraph` is a graph callable for :class:`npuq.runtime.runner.StaticRunner`: it
   feeds KV caches as quantized codes and returns the new entries as codes, the way a device
   runner copies them, plus dequantized logits.
@@ -153,8 +155,10 @@ class OrtGraph:
     other than the caches (e.g. logits) are dequantized.
     """
 
-    def __init__(self, session, io: GraphEntry, cache_prefixes: Sequence[str] = ("k_cache", "v_cache", "k_new", "v_new")):
+    def __init__(self, session, io: GraphEntry, cache_prefixes: Sequence[str] = ("k_cache", "v_cache", "k_new", "v_new"),
+                 file: str | None = None):
         self.session = session
+        self.file = file or io.file  # the file the session runs: the QDQ graph or its compiled context
         self.inputs = io.inputs
         self.outputs = io.outputs
         self._codes = {s.name for s in self.inputs + self.outputs if s.name.startswith(tuple(cache_prefixes))}
@@ -188,10 +192,27 @@ class OrtGraph:
         return out
 
 
+def context_use(manifest: Manifest, provider: str, htp_arch: int | None = None) -> tuple[bool, str]:
+    """(whether :func:`load_export` runs the compiled contexts, why in a few words): on ``htp``
+    when the folder has contexts that the emulator loads, compiled for the arch asked for."""
+    compiled = manifest.compiled
+    if compiled is None:
+        return False, "none compiled"
+    if provider != "htp":
+        return False, f"{provider} provider runs the QDQ graphs"
+    if compiled.share_weights:
+        return False, "weight-shared contexts load on a device only: the QDQ graphs ran"
+    if htp_arch is not None and htp_arch != compiled.htp_arch:
+        return False, f"compiled for HTP v{compiled.htp_arch}, not v{htp_arch}: the QDQ graphs ran"
+    return True, f"QNN contexts compiled for HTP v{compiled.htp_arch}"
+
+
 def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[Manifest, dict[int, OrtGraph]]:
     """(manifest, {ar_len: graph}) for a folder written by ``npuq export``; the manifest is
     checked first (:func:`npuq.lower.export.read_manifest`: graph files must lie inside
-    ``folder``), and a graph ONNX Runtime cannot open is an :class:`NpuqError`."""
+    ``folder``), and a graph ONNX Runtime cannot open is an :class:`NpuqError`. On ``htp`` the
+    compiled contexts run when :func:`context_use` says so (their outputs are the QDQ graph's,
+    bit for bit, and they load in a fraction of the time)."""
     from npuq.lower.export import read_manifest
 
     folder = Path(folder)
@@ -199,8 +220,14 @@ def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int 
         raise NpuqError(f"unknown provider {provider!r}; choose {', '.join(PROVIDERS)}")
     manifest = read_manifest(folder)
     arch = htp_arch if htp_arch is not None else manifest.target.htp_arch
+    contexts, _ = context_use(manifest, provider, htp_arch)
     graphs = {}
-    for entry in manifest.graphs.values():
+    for kind, entry in manifest.graphs.items():
+        if contexts:
+            file = manifest.compiled.graphs[kind].file
+            path = resolve_inside(folder, file, f"--onnx {folder}")
+            graphs[entry.ar_len] = OrtGraph(htp_session(path, manifest.compiled.htp_arch), entry, file=file)
+            continue
         path = resolve_inside(folder, entry.file, f"--onnx {folder}")
         if provider == "cpu":
             try:

@@ -57,12 +57,15 @@ def open_programs(artifact: str | None = None, onnx: str | None = None, provider
                         _model_source(model.name if model else None, model.source if model else None, artifact),
                         {"artifact": str(artifact), "scheme": qm.recipe.default, "recipe": qm.recipe.name})
     if onnx:
-        from npuq.lower.ort import load_export
+        from npuq.lower.ort import context_use, load_export
 
         manifest, graphs = load_export(onnx, provider)
+        used, why = context_use(manifest, provider)
         return Programs(manifest.cfg, manifest.context, graphs,
                         _model_source(manifest.tokenizer.model, manifest.tokenizer.source, onnx),
-                        {"onnx": str(onnx), "provider": provider, "qnn_version": manifest.target.qnn_version})
+                        {"onnx": str(onnx), "provider": provider, "qnn_version": manifest.target.qnn_version,
+                         "files": sorted({g.file for g in graphs.values()}), "compiled_contexts": used,
+                         "contexts": why})
     raise ValueError("give an artifact or an onnx folder")
 
 
