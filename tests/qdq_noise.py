@@ -131,6 +131,23 @@ def with_8bit_second_inputs(cgm):
     return gm
 
 
+# --------------------------------------------------------------------------- weights
+def reference_weight(w, qmax, block=None):
+    """(dequantized weight, scale per element) by an integer reference written from
+    docs/design.md §1, not from npuq's code: symmetric per output channel, scale = max|w| / qmax,
+    codes = clamp(round(w / scale), ±qmax); LPBQ: per block of ``block`` inputs
+    s_b = max|w_b| / qmax, base = max_b s_b / 16, block scale = base · clamp(ceil(s_b / base), 1, 16)."""
+    if block is None:
+        scale = (w.abs().amax(dim=1, keepdim=True) / qmax).expand_as(w)
+    else:
+        O, I = w.shape
+        s_b = w.abs().view(O, I // block, block).amax(-1) / qmax  # (O, blocks)
+        base = s_b.amax(1, keepdim=True) / 16
+        scale = (base * torch.clamp(torch.ceil(s_b / base), 1, 16)).repeat_interleave(block, dim=1)
+    codes = torch.clamp(torch.round(w / scale), -qmax, qmax)
+    return codes * scale, scale
+
+
 # --------------------------------------------------------------------------- signal to noise
 def constant(gm, node):
     """Evaluate a node whose inputs are all constants (get_attr) in a converted graph."""

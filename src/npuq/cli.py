@@ -143,6 +143,7 @@ def _quantize_options(args: argparse.Namespace) -> Any:
         calibration_mode=getattr(args, "calibration_mode", "onepass"), prefill_len=args.prefill_len,
         batch_size=args.batch_size, seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity,
         weight_rounding=args.weight_rounding, layer_inputs=args.layer_inputs, act_order=args.act_order,
+        rotate=args.rotate,
     )
 
 
@@ -190,6 +191,12 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-inputs", choices=("float", "quantized"), default=None,
                    help="inputs SeqMSE and GPTQ fit each layer to: the quantized model's own, block by block, so "
                         "each layer sees the rounding of all before it (default), or the float model's (one forward)")
+    p.add_argument("--rotate", choices=("none", "r1", "r1+r2"), default=None,
+                   help="fold rotations into the float weights before calibration, so 4-bit weight grids meet no "
+                        "outlier channels; the graph and its ops are unchanged: r1, a randomized Hadamard matrix on "
+                        "the residual stream (norm gammas folded into the next linears); r1+r2, also one per "
+                        "attention head between v and o (QuaRot/SpinQuant's R1/R2, not learned); none "
+                        "(default: the recipe's: r1 for the built-in 4-bit recipes, none for 8-bit weights)")
 
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:

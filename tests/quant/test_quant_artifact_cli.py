@@ -123,6 +123,47 @@ def test_cli_quantize_end_to_end(tmp_path, hf_folder, capsys, monkeypatch):
     assert "already exists: pass --force" in capsys.readouterr().err
 
 
+def test_cli_quantize_rotate(tmp_path, hf_folder, monkeypatch):
+    """--rotate r1+r2: the artifact holds the float weights rotated as npuq.optimize.rotate
+    rotates them (seed 0, the stage's fixed seed): every linear weight lies within one step of
+    the integer reference of the rotated float weight (min/max scales, nearest rounding; the
+    bound is test_weights_within_one_step_of_integer_reference's). An unrotated weight would
+    miss it by many steps: R1 mixes every input channel. config.json records the rotation, and
+    the model hash is of the weights as loaded; --rotate none on the same scheme rotates nothing."""
+    from npuq.models import load_model
+    from npuq.optimize.rotate import rotate_model
+    from npuq.quant.graph import module_path
+    from npuq.quantize.artifact import weights_sha256
+    from qdq_noise import constant, reference_weight
+
+    monkeypatch.setenv("NPUQ_CACHE_DIR", str(tmp_path / "cache"))
+    folder, text = hf_folder
+    base = ["quantize", "--model", str(folder), "--scheme", "16a4w", "--calib-corpus", f"file:{text}",
+            "--calib-tokens", "40", "--context", str(CONTEXT), "--num-threads", "1"]
+    assert main([*base, "--rotate", "r1+r2", "--out", str(tmp_path / "rot")]) == 0
+    config = json.loads((tmp_path / "rot" / "config.json").read_text())
+    rotation = config["rotation"]
+    assert config["recipe"]["rotate"] == "r1+r2" and rotation["r1"] and rotation["r2"] and rotation["seed"] == 0
+    float_model = load_model(str(folder)).model
+    assert config["model"]["weights_sha256"] == weights_sha256(float_model)
+    rotate_model(float_model, seed=0, r1=True, r2=True)
+    params = dict(float_model.named_parameters())
+    art = load_artifact(tmp_path / "rot")
+    linears = [n for n in art.decode.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.linear.default]
+    assert len(linears) == 7 * float_model.config.num_layers + 1
+    for node in linears:
+        w = params[module_path(node) + ".weight"].detach()
+        ref, step = reference_weight(w, 7)
+        got, zero = constant(art.decode, node.args[1]), step == 0  # all-zero rows (unused token ids) stay zero
+        assert not got[zero].any() and not w[zero].any(), module_path(node)
+        err = ((got - ref).abs()[~zero] / step[~zero]).max().item()
+        assert err <= 1.0 + 1e-4, f"{module_path(node)}: {err:.2f} steps from the rotated weight's reference"
+
+    assert main([*base, "--rotate", "none", "--out", str(tmp_path / "plain")]) == 0
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "rotation" not in config and config["recipe"]["rotate"] is None
+
+
 def test_cli_bad_inputs(tmp_path, hf_folder, capsys):
     folder, text = hf_folder
     base = ["quantize", "--model", str(folder), "--calib-corpus", f"file:{text}", "--context", str(CONTEXT),

@@ -61,6 +61,7 @@ def test_summary_lists_every_layer_and_its_rule():
     (dict(default="16a8w", embedding="pcq2"), "embedding 'pcq2' is unknown"),
     (dict(default="16a9w"), "unknown scheme"),
     (dict(default="16a8w", lm_head="nope"), "unknown scheme"),
+    (dict(default="16a4w", rotate="hadamard"), "rotate 'hadamard' is unknown; choose one of r1, r1\\+r2"),
 ])
 def test_bad_options(kwargs, message):
     with pytest.raises(NpuqError, match=message):
@@ -83,6 +84,9 @@ def test_json_recipe_round_trip_and_strict_keys(tmp_path):
     path.write_text(json.dumps(r.to_dict()))
     loaded = load_recipe(str(path))
     assert loaded.rules == r.rules and loaded.lm_head == r.lm_head and loaded.default == r.default
+    assert loaded.rotate == r.rotate
+    path.write_text(json.dumps({**r.to_dict(), "rotate": "r1+r2"}))
+    assert load_recipe(str(path)).rotate == "r1+r2"
     bad = tmp_path / "typo.json"
     bad.write_text(json.dumps({"default": "16a8w", "rulez": []}))
     with pytest.raises(NpuqError, match="unknown key.*rulez"):

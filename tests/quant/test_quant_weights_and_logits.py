@@ -1,10 +1,5 @@
-"""Quantized weights match an independent integer reference; quantized logits stay close to float.
-
-The integer reference below is written from docs/design.md §1, not from npuq's code:
-symmetric per output channel, scale = max|w| / qmax, codes = clamp(round(w / scale), ±qmax);
-LPBQ: per block of 32 inputs s_b = max|w_b| / 7, base = max_b s_b / 16, block scale =
-base · clamp(ceil(s_b / base), 1, 16).
-"""
+"""Quantized weights match an independent integer reference (``reference_weight`` in
+tests/qdq_noise.py); quantized logits stay close to float."""
 
 import functools
 import math
@@ -17,7 +12,7 @@ from npuq.quant.graph import module_path
 from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import Recipe
 from npuq.runtime.runner import forward_logits
-from qdq_noise import constant, modelled_logits
+from qdq_noise import constant, modelled_logits, reference_weight
 
 CONTEXT = 32
 QMAX = {"16a16w": 32767, "16a8w": 127, "16a4w": 7, "16a4w_block": 7, "8a8w": 127}
@@ -41,19 +36,6 @@ def _quantized(key):
     model = _model()
     ids = torch.randint(3, model.config.vocab_size, (4 * CONTEXT,), generator=torch.Generator().manual_seed(0))
     return quantize_model(model, RECIPES[key], ids, context=CONTEXT)
-
-
-def reference_weight(w, qmax, block=None):
-    """(dequantized weight, scale per element) by the integer reference of the module docstring."""
-    if block is None:
-        scale = (w.abs().amax(dim=1, keepdim=True) / qmax).expand_as(w)
-    else:
-        O, I = w.shape
-        s_b = w.abs().view(O, I // block, block).amax(-1) / qmax  # (O, blocks)
-        base = s_b.amax(1, keepdim=True) / 16
-        scale = (base * torch.clamp(torch.ceil(s_b / base), 1, 16)).repeat_interleave(block, dim=1)
-    codes = torch.clamp(torch.round(w / scale), -qmax, qmax)
-    return codes * scale, scale
 
 
 @pytest.mark.parametrize("scheme", sorted(QMAX))

@@ -105,6 +105,13 @@ class RotationReport:
     untied: bool  # the model had tied embeddings and no longer has
     seconds: float
 
+    def describe(self) -> str:
+        parts = [f"R1 {self.r1_matrix}" if self.r1 else None, f"R2 {self.r2_matrix}" if self.r2 else None]
+        done = " and ".join(p for p in parts if p) or "nothing"
+        text = (f"rotated {done} (seed {self.seed}): {self.folded_norms} norm gammas folded, "
+                f"{self.rotated_linears} linear layers rotated in {self.seconds:.1f} s")
+        return text + (f"; R1 not applied: {self.r1_skipped}" if self.r1_skipped else "")
+
 
 # --------------------------------------------------------------------------- matrices
 def _is_prime(q: int) -> bool:

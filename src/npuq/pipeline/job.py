@@ -130,6 +130,7 @@ class Job:
         self.results: dict[str, Any] = {}  # stage → its result (a record, or JSON for model/layers/generate)
         self.folders: dict[str, Path] = {}
         self.keys: dict[str, str] = {}
+        self._rotated = False  # float_in_artifact_basis has rotated self.loaded.model
 
     def say(self, text: str) -> None:
         if self.ctx.progress:
@@ -219,14 +220,30 @@ class Job:
     def export_programs(self) -> Programs:
         return open_programs(onnx=str(self.folders["export"] / "onnx"), provider="cpu")
 
+    def float_in_artifact_basis(self) -> torch.nn.Module:
+        """The float model with the rotations the quantize stage folded into the artifact's
+        weights (same seed, so the same matrices): layer outputs are then compared in one basis.
+        Rotated in place (no second copy of the weights); the model computes the same function
+        to float rounding (npuq.optimize.rotate), so the stages after this one may use it."""
+        from npuq.quantize.artifact import read_artifact
+
+        rotation = read_artifact(self.folders["quantize"] / "artifact").rotation
+        if rotation and not self._rotated:
+            from npuq.optimize.rotate import rotate_model
+
+            rotate_model(self.loaded.model, seed=rotation["seed"], r1=rotation["r1"], r2=rotation["r2"])
+            self._rotated = True
+        return self.loaded.model
+
     def layers(self) -> None:
         o, ctx = self.options, self.ctx.on("cpu")
 
         def build(_folder: Path) -> dict[str, Any]:
             programs = self.artifact_programs()
             ids = corpus_tokens(self.loaded.tokenizer, o.eval_corpus, o.sqnr_tokens, split="eval")
+            model = self.float_in_artifact_basis()
             with ctx.scope("prefill"):
-                errors = layer_errors(self.loaded.model, programs.graphs, programs.config, programs.context, ids)
+                errors = layer_errors(model, programs.graphs, programs.config, programs.context, ids)
             return {"tokens": len(ids), "layers": [e.to_dict() for e in errors]}
 
         self.stage("layers", {"of": self.keys["quantize"], "corpus": o.eval_corpus, "tokens": o.sqnr_tokens}, build)

@@ -3,7 +3,9 @@
 A recipe is a default scheme, an ordered list of rules and a few options:
 
     rule      op kind and/or module-path regex → scheme, with a priority
-    options   kv_bits (8 | 16), embedding (shared | pcq8 | pcq4), lm_head (a scheme or None)
+    options   kv_bits (8 | 16), embedding (shared | pcq8 | pcq4), lm_head (a scheme or None),
+              rotate (None | "r1" | "r1+r2": rotations folded into the float weights before
+              calibration, npuq.optimize.rotate)
 
 A "layer" is one (module path, op kind) pair of the exported graph; module paths come from
 ``node.meta["nn_module_stack"]`` and read like the checkpoint (``layers.3.mlp.down_proj``).
@@ -14,7 +16,7 @@ matches no layer of the model is an error: it is almost always a typo in the reg
 Recipes load from a built-in name (:data:`RECIPES`) or a JSON file whose keys are checked
 (an unknown key fails loudly instead of being ignored)::
 
-    {"default": "16a4w", "kv_bits": 16, "embedding": "shared", "lm_head": "16a8w",
+    {"default": "16a4w", "kv_bits": 16, "embedding": "shared", "lm_head": "16a8w", "rotate": "r1",
      "rules": [{"path": "layers\\\\.\\\\d+\\\\.mlp\\\\.down_proj", "scheme": "16a8w", "priority": 1}]}
 """
 
@@ -41,6 +43,7 @@ OP_KINDS = (
     "rope_table",  # gather from the cos/sin tables
 )
 EMBEDDING_MODES = ("shared", "pcq8", "pcq4")
+ROTATIONS = {"r1": (True, False), "r1+r2": (True, True)}  # rotate → (R1, R2) of npuq.optimize.rotate.rotate_model
 LM_HEAD_PATH = "lm_head"
 
 
@@ -83,6 +86,7 @@ class Recipe:
     embedding: str = "shared"
     lm_head: str | None = None  # scheme of the lm head; None: rules decide
     name: str = ""
+    rotate: str | None = None  # a ROTATIONS key: fold rotations into the weights first; None: none
 
     def __post_init__(self) -> None:
         get_scheme(self.default)
@@ -92,6 +96,8 @@ class Recipe:
                 raise TypeError(f"recipe rules must be Rule objects, got {r!r}")
         if self.lm_head is not None:
             get_scheme(self.lm_head)
+        if self.rotate is not None and self.rotate not in ROTATIONS:
+            raise NpuqError(f"recipe rotate {self.rotate!r} is unknown; choose one of {', '.join(ROTATIONS)} or null")
         if self.embedding not in EMBEDDING_MODES:
             raise NpuqError(f"recipe embedding {self.embedding!r} is unknown; choose one of {', '.join(EMBEDDING_MODES)}")
         act_bits = get_scheme(self.default).activation.bits
@@ -116,6 +122,12 @@ class Recipe:
         get_scheme(scheme)
         kv = None if self.kv_bits == self.scheme.activation.bits else self.kv_bits
         return replace(self, default=scheme, kv_bits=kv, name=f"{self.name}@{scheme}" if self.name != self.default else scheme)
+
+    def with_rotation(self, rotate: str | None) -> "Recipe":
+        """The same recipe with rotation ``rotate`` (``--rotate``; None: none), named for it when it changes."""
+        if rotate == self.rotate:
+            return self
+        return replace(self, rotate=rotate, name=f"{self.name}+{rotate or 'norotate'}")
 
     def resolve(self, path: str, kind: str) -> tuple[Scheme, str]:
         """(scheme, label of the rule that decided) for one layer."""
@@ -150,7 +162,7 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "default": self.default, "kv_bits": self.kv_bits, "embedding": self.embedding,
-            "lm_head": self.lm_head,
+            "lm_head": self.lm_head, "rotate": self.rotate,
             "rules": [{"op": r.op, "path": r.path, "scheme": r.scheme, "priority": r.priority} for r in self.rules],
         }
 
@@ -158,7 +170,7 @@ class Recipe:
     def from_dict(cls, data: dict[str, Any], name: str = "") -> "Recipe":
         if not isinstance(data, dict):
             raise NpuqError(f"recipe {name or ''} must be a JSON object, got {type(data).__name__}")
-        allowed = {"name", "default", "rules", "kv_bits", "embedding", "lm_head"}
+        allowed = {"name", "default", "rules", "kv_bits", "embedding", "lm_head", "rotate"}
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise NpuqError(f"recipe {name!r}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
@@ -177,7 +189,7 @@ class Recipe:
                 raise NpuqError(f"recipe {name!r} rule {i} has no 'scheme'")
             rules.append(Rule(r["scheme"], r.get("op"), r.get("path"), r.get("priority", 0)))
         return cls(data["default"], tuple(rules), data.get("kv_bits"), data.get("embedding", "shared"),
-                   data.get("lm_head"), data.get("name") or name)
+                   data.get("lm_head"), data.get("name") or name, data.get("rotate"))
 
 
 @dataclass(frozen=True)
@@ -202,7 +214,7 @@ class RecipePlan:
         """One line per layer: module path, op kind, the rule that matched, the scheme."""
         r = self.recipe
         head = [f"recipe {r.name}: default {r.default}, kv_bits {r.kv_bits}, embedding {r.embedding}, "
-                f"lm_head {r.lm_head or '(rules)'}"]
+                f"lm_head {r.lm_head or '(rules)'}, rotate {r.rotate or 'none'}"]
         head += [f"  rule {i}: {rule.describe()}" for i, rule in enumerate(r.rules)]
         w = max((len(a.path or "(top)") for a in self.layers), default=4)
         rows = [f"  {(a.path or '(top)'):<{w}}  {a.kind:<11}  {a.rule:<14}  {a.scheme}" for a in self.layers]

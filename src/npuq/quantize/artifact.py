@@ -74,6 +74,7 @@ class ArtifactConfig:
     model: ModelInfo | None = optional_key()  # None (no key): save_artifact was not given it
     calibration: dict[str, Any] | None = optional_key()  # corpus, tokens, mode, batch, threads, device
     optimize: dict[str, Any] | None = None  # SeqMSE / GPTQ summaries; None: nearest rounding
+    rotation: dict[str, Any] | None = optional_key()  # RotationReport folded into the weights; None (no key): none
     model_config: dict[str, Any]  # ModelConfig.to_dict(); read with :attr:`cfg`
     context: int
     programs: dict[str, ProgramEntry]  # decode (AR-1), prefill (AR-N)
@@ -152,9 +153,10 @@ def estimate_artifact_bytes(qm: QuantizedModel, encodings_text: str | None = Non
 
 
 def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = False, model: ModelInfo | None = None,
-                  calibration: dict[str, Any] | None = None, optimize: dict[str, Any] | None = None) -> Path:
+                  calibration: dict[str, Any] | None = None, optimize: dict[str, Any] | None = None,
+                  rotation: dict[str, Any] | None = None) -> Path:
     """Write ``qm`` to the folder ``out`` atomically (see the module docstring); ``model``,
-    ``calibration`` and ``optimize`` go into config.json as they are."""
+    ``calibration``, ``optimize`` and ``rotation`` go into config.json as they are."""
     from npuq.resources import check_free_disk
 
     final = check_destination(out, force)
@@ -168,6 +170,7 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
             model=model,
             calibration=calibration,
             optimize=optimize,
+            rotation=rotation,
             model_config=cfg.to_dict(),
             context=qm.context,
             programs={k: ProgramEntry(f, 1 if k == "decode" else qm.prefill_len) for k, f in PROGRAMS.items()},

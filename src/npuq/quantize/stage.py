@@ -7,6 +7,8 @@ whole record.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +18,14 @@ from npuq.data.corpora import corpus_tokens
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
 from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
+from npuq.quant.recipe import ROTATIONS
 from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.workloads import windows_per_forward
 
 GRANULARITIES = ("channel", "layer")
+ROTATE_CHOICES = ("none", *ROTATIONS)  # --rotate
+ROTATION_SEED = 0  # the random signs of the Hadamard matrices: fixed, so a rerun quantizes alike
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,11 @@ class QuantizeOptions:
     weight_rounding: str = "nearest"
     layer_inputs: str | None = None  # None: resolve_recovery's default when recovery is on
     act_order: bool | None = None  # None: on with GPTQ
+    rotate: str | None = None  # ROTATE_CHOICES; None: the recipe's (built-in 4-bit recipes: r1)
 
     def __post_init__(self) -> None:
+        if self.rotate is not None and self.rotate not in ROTATE_CHOICES:
+            raise NpuqError(f"unknown --rotate {self.rotate!r}; choose one of {', '.join(ROTATE_CHOICES)}")
         if self.calibration_mode not in CALIBRATION_MODES:
             raise NpuqError(f"unknown --calibration-mode {self.calibration_mode!r}; choose one of "
                             f"{', '.join(CALIBRATION_MODES)}")
@@ -108,6 +116,7 @@ class QuantizeResult:
     layer_inputs: str | None = None
     export_seconds: float | None = None  # the part of prepare_seconds that traced the model graph
     save_seconds: float | None = None  # writing the artifact folder
+    rotation: dict[str, Any] | None = None  # npuq.optimize.rotate.RotationReport; None: not rotated
 
     def describe(self) -> str:
         return (f"{self.artifact}: {self.scheme} ({self.recipe}), {self.calibration_mode} calibration on "
@@ -123,6 +132,8 @@ def check_quantize(options: QuantizeOptions) -> Any:
     from npuq.quant.recipe import load_recipe
 
     recipe = load_recipe(options.recipe, options.scheme, options.model)
+    if options.rotate is not None:
+        recipe = recipe.with_rotation(None if options.rotate == "none" else options.rotate)
     return recipe, load_corpus(options.calib_corpus, "calib")  # an empty or missing corpus fails here
 
 
@@ -151,6 +162,15 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     if o.context > loaded.config.max_position_embeddings:
         raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
     tokens = corpus_tokens(loaded.tokenizer, documents, o.calib_tokens)
+    model = ModelInfo(o.model, loaded.source, weights_sha256(loaded.model))  # the float weights as loaded
+    rotation = None
+    if recipe.rotate is not None:  # before everything that reads the weights: the artifact holds rotated ones
+        from npuq.optimize.rotate import rotate_model
+
+        r1, r2 = ROTATIONS[recipe.rotate]
+        rotation = rotate_model(loaded.model, seed=ROTATION_SEED, r1=r1, r2=r2)
+        if ctx.progress:
+            print(rotation.describe(), file=sys.stderr, flush=True)
     batch = windows_per_forward(len(tokens), o.context, o.batch_size)  # the calibration forwards' shape
     plan = ctx.plan_model(loaded.model, (o.phase,), o.context, batch=batch)
     weight_scales, optimized = None, None
@@ -169,7 +189,6 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         weight_scales=weight_scales, device=ctx.device,
     )
     replaced = replaced_characters(documents)
-    model = ModelInfo(o.model, loaded.source, weights_sha256(loaded.model))
     calibration = {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
                    "tokens": qm.stats["calibration_tokens"], "mode": o.calibration_mode,
                    "batch_size": o.batch_size, "batch_size_used": qm.stats["batch_size"],
@@ -177,7 +196,9 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
                    "num_threads": ctx.requested, "thread_plan": plan.to_dict(),
                    "device": str(ctx.device)}
     saving = time.perf_counter()
-    path = save_artifact(qm, out, force=force, model=model, calibration=calibration, optimize=optimized)
+    rotation_json = None if rotation is None else dataclasses.asdict(rotation)
+    path = save_artifact(qm, out, force=force, model=model, calibration=calibration, optimize=optimized,
+                         rotation=rotation_json)
     saved = time.perf_counter() - saving
     s = qm.stats
     return QuantizeResult(
@@ -191,5 +212,5 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         seq_mse=optimized["seq_mse"] if optimized else None,
         weight_rounding=optimized["weight_rounding"] if optimized else None,
         layer_inputs=optimized["layer_inputs"] if optimized else None,
-        export_seconds=s.get("export_seconds"), save_seconds=saved,
+        export_seconds=s.get("export_seconds"), save_seconds=saved, rotation=rotation_json,
     )

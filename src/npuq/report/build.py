@@ -88,6 +88,7 @@ def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
         "convert_seconds": q.convert_seconds,
         "seq_mse_seconds": (q.seq_mse or {}).get("seconds") or 0.0,
         "weight_rounding_seconds": (q.weight_rounding or {}).get("seconds") or 0.0,
+        "rotation_seconds": (q.rotation or {}).get("seconds") or 0.0,
         "total_seconds": q.total_seconds,
     }
     calibration["other_seconds"] = calibration["total_seconds"] - sum(
@@ -99,7 +100,8 @@ def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
         "execution": job.ctx.describe(),
         "model": res["model"],
         "scheme": q.scheme,
-        "recipe": {"name": q.recipe, "plan": list(artifact.recipe_plan or ()), "summary": q.recipe_summary},
+        "recipe": {"name": q.recipe, "plan": list(artifact.recipe_plan or ()), "summary": q.recipe_summary,
+                   "rotation": q.rotation},
         "threads": to_json(res["threads"]),
         "calibration": calibration,
         "layers": {"tokens": res["layers"]["tokens"], "layers": layer_list, "worst": worst_layers},
@@ -116,6 +118,15 @@ def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
     }
     report["files"]["report"] = ["report.html", "report.json"]
     return report, render_html(report)
+
+
+def rotation_text(rotation: dict[str, Any] | None) -> str:
+    if not rotation:
+        return "No rotation was folded into the weights."
+    from npuq.optimize.rotate import RotationReport
+
+    return ("Before calibration, " + RotationReport(**rotation).describe() + ". The float model computes the same "
+            "function; the per-layer errors compare both in the rotated basis.")
 
 
 def render_html(report: dict[str, Any]) -> str:
@@ -162,6 +173,7 @@ def render_html(report: dict[str, Any]) -> str:
     recipe = Section("Recipe", [
         Table(["op", "rule", "scheme", "layers", "example"], recipe_rows(report["recipe"]["plan"])),
         ("pre", report["recipe"]["summary"].split("\n", 1)[0] if report["recipe"]["summary"] else ""),
+        rotation_text(report["recipe"]["rotation"]),
     ])
     cal = report["calibration"]
     calibration = Section("Calibration time", [Table(
