@@ -167,7 +167,8 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                    help=f"built-in recipe ({', '.join(RECIPES)}) or a JSON file of rules; --scheme replaces its "
                         "default (default: the model's built-in recipe)")
     p.add_argument("--calib-corpus", default="builtin", metavar="C",
-                   help="corpus whose calib split is the calibration text: builtin, file:PATH or wikitext2 (default: builtin)")
+                   help="corpus whose calib split is the calibration text: builtin, file:PATH, wikitext2, or a mix joined by "
+                        "'+' that takes an equal share of tokens from each, e.g. builtin+file:mine.txt (default: builtin)")
     p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N",
                    help="calibration tokens (whole windows of --context, plus one shorter tail) (default 4096)")
     p.add_argument("--context", type=_context, default=512, metavar="L",
@@ -526,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     _add_quantize_options(p)
     p.add_argument("--eval-corpus", default="builtin", metavar="C",
-                   help="evaluation text (its eval split, disjoint from calib): builtin, file:PATH or wikitext2 "
+                   help="evaluation text (its eval split, disjoint from calib): builtin, file:PATH, wikitext2 or a '+' mix "
                         "(default: builtin)")
     p.add_argument("--eval-tokens", type=_pos_int, default=4096, metavar="N",
                    help="tokens scored in each evaluation (float, quantized, exported) (default 4096)")

@@ -97,3 +97,34 @@ def test_wikitext2_without_datasets_says_how_to_use_a_file(monkeypatch):
 def test_wikitext_detokenizer():
     raw = ' = Valkyria = \n The game , released in 2011 @-@ 12 , sold 1 @,@ 000 @.@ 5 units ( in Japan ) . It \'s " good " . \n'
     assert wikitext_detokenize(raw) == ' = Valkyria =\nThe game, released in 2011-12, sold 1,000.5 units (in Japan). It\'s "good".\n'
+
+
+def test_a_mix_alternates_its_parts_and_takes_an_equal_share_of_tokens(tmp_path):
+    """builtin+file:X: the parts' documents in turn, each marked with its part; corpus_tokens
+    takes n/2 tokens from each part (by a whitespace tokenizer, counted by hand), although the
+    builtin part alone has far more than n tokens and comes first."""
+    from npuq.data.corpora import corpus_tokens
+
+    weird = tmp_path / "a+b.txt"  # a '+' inside a file name is part of the name, not a mix
+    weird.write_text("zeta eta theta " * 50, encoding="utf-8")
+    mix = load_corpus(f"builtin+file:{weird}", "calib")
+    builtin = load_corpus("builtin", "calib")
+    assert len(mix) == len(builtin) + 1
+    assert (mix[0].part, mix[1].part) == ("builtin", f"file:{weird}") and mix[1].page.startswith("zeta")
+    assert [d.page for d in mix if d.part == "builtin"] == [d.page for d in builtin]
+
+    class Words:  # one token per word: ids 1.. for words, 0 for BOS
+        bos_token_id = 0
+
+        def encode(self, text, add_special_tokens=False):
+            return [1 + (hash(w) % 1000) for w in text.split()]
+
+    tokens = corpus_tokens(Words(), mix, 101)
+    alone = corpus_tokens(Words(), [d for d in mix if d.part == "builtin"], 51)
+    assert tokens[:51] == alone  # the first part's share: 51 of 101
+    assert tokens[51] == 0 and len(tokens) == 101  # then BOS and 49 words of the file
+    assert tokens[52:] == Words().encode("zeta eta theta " * 50)[:49]
+    with pytest.raises(NpuqError, match="same corpus twice"):
+        load_corpus("builtin+builtin")
+    with pytest.raises(NpuqError, match="unknown corpus 'builtin\\+nope'; use builtin, file:PATH"):
+        load_corpus("builtin+nope")  # '+' splits only before another corpus name

@@ -12,20 +12,27 @@ A corpus is named by a spec string:
 - ``wikitext2``: WikiText-2 (raw) one document per Wikipedia article, as lm-evaluation-harness's
   ``wikitext`` task reads it (``EleutherAI/wikitext_document_level``), through the optional
   ``datasets`` library; ``eval`` is the test split, ``calib`` the train split.
+- ``A+B`` (e.g. ``builtin+file:notes.txt``): a mix of the corpora A and B, each read as above.
+  :func:`corpus_tokens` takes an equal share of the tokens from each part (so a short first
+  part cannot crowd out the second), and perplexity scores the parts' documents in turn.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from npuq.errors import NpuqError
 
 SPLITS = ("eval", "calib")
-CORPUS_HELP = "builtin, file:PATH (.txt or .jsonl with a 'text' field per line) or wikitext2"
+CORPUS_HELP = ("builtin, file:PATH (.txt or .jsonl with a 'text' field per line), wikitext2, or a mix of them "
+               "joined by '+' (e.g. builtin+file:notes.txt)")
+_PART = re.compile(r"\+(?=builtin$|builtin\+|wikitext2$|wikitext2\+|file:)")  # a '+' that starts another corpus
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class Document:
     page: str  # the original text: words and bytes are counted on it
     text: str | None = None  # what the model scores, where it differs from page (detokenized wikitext)
     replaced: int = 0  # undecodable byte sequences of the source read as U+FFFD (see decode_utf8)
+    part: str = ""  # the corpus spec it came from, in a mix ("A+B"); "" otherwise
 
     @property
     def target(self) -> str:
@@ -44,6 +52,12 @@ def load_corpus(spec: str, split: str = "eval") -> list[Document]:
     """The documents of corpus ``spec`` (see the module docstring), sorted by id; never empty."""
     if split not in SPLITS:
         raise NpuqError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    parts = _PART.split(spec)
+    if len(parts) > 1:
+        if len(set(parts)) < len(parts):
+            raise NpuqError(f"corpus {spec!r} names the same corpus twice: give each part once")
+        mixed = [[replace(d, part=part) for d in load_corpus(part, split)] for part in parts]
+        return [d for docs in itertools.zip_longest(*mixed) for d in docs if d is not None]  # parts in turn
     if spec == "builtin":
         docs = builtin_documents(split)
     elif spec.startswith("file:"):
@@ -59,12 +73,19 @@ def load_corpus(spec: str, split: str = "eval") -> list[Document]:
 
 def corpus_tokens(tokenizer: Any, corpus: Any, n_tokens: int, split: str = "calib") -> list[int]:
     """The first ``n_tokens`` tokens of the corpus's ``split`` (``corpus``: a spec, or documents
-    already loaded): each document prefixed with BOS (else EOS), documents concatenated in id order."""
+    already loaded): each document prefixed with BOS (else EOS), documents concatenated in id order.
+    A mix takes the first ``n_tokens / parts`` tokens of each part, parts in the order given."""
+    docs = load_corpus(corpus, split) if isinstance(corpus, str) else corpus
+    parts = list(dict.fromkeys(d.part for d in docs))
+    if len(parts) > 1:
+        shares = [n_tokens // len(parts) + (i < n_tokens % len(parts)) for i in range(len(parts))]
+        return [t for part, share in zip(parts, shares)
+                for t in corpus_tokens(tokenizer, [d for d in docs if d.part == part], share)]
     prefix = getattr(tokenizer, "bos_token_id", None)
     if prefix is None:
         prefix = getattr(tokenizer, "eos_token_id", None)
     ids: list[int] = []
-    for doc in load_corpus(corpus, split) if isinstance(corpus, str) else corpus:
+    for doc in docs:
         if len(ids) >= n_tokens:
             break
         body = list(tokenizer.encode(doc.target, add_special_tokens=False))
