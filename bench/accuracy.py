@@ -1,12 +1,24 @@
-"""Word perplexity of SmolLM2-135M under each quantization recipe and accuracy-recovery method.
+"""Word perplexity of SmolLM2-135M under each quantization recipe and accuracy-recovery method,
+on two domains.
 
-Calibration text is the builtin corpus's calib split, evaluation its disjoint eval split, both
-at context 512. Every configuration starts from the same float weights; a configuration with
-``rotate`` ("r1" or "r1+r2") first folds rotations into them (npuq.optimize.rotate, seed 0),
-and each rotation used also gets a float row of its own (same perplexity as float to ~1e-6).
-Writes JSON:
+Calibration text is the builtin corpus's calib split (CPython's reference documentation). Every
+configuration is scored at context 512 on
 
-    .venv/bin/python bench/accuracy.py [--calib-tokens 2048] [--eval-tokens 4096] [--out FILE]
+- ``builtin``: the builtin corpus's eval split, disjoint from calib but of the same domain;
+- ``prose``: English prose of another domain, never used for calibration or tuning: the 1911
+  Encyclopaedia Britannica article on Shakespeare (bench/corpora.py fetches and cleans it).
+
+Every configuration starts from the same float weights; one with ``rotate`` ("r1" or "r1+r2")
+first folds rotations into them (npuq.optimize.rotate, seed 0, as ``npuq quantize --rotate``
+does), and each rotation used also gets a float row of its own (same perplexity as float to
+~1e-6). ``--set domains`` (default): float, 16a8w, and 16a4w / 16a4w_block / 16a4w_mixed with
+SeqMSE 50 + GPTQ (npuq's defaults for them: quantized layer inputs, act-order) without and with
+each rotation; ``--set recovery``: the recovery methods one by one on the builtin domain's
+recipes; ``--set calibration``: 16a4w and 16a4w_block (rotated r1) calibrated on the builtin
+calib split alone or half and half with other prose (Milton's Areopagitica, bench/corpora.py;
+never scored). Writes JSON:
+
+    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 2048] [--eval-tokens 4096] [--out FILE]
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -31,18 +44,27 @@ from npuq.optimize.recovery import optimize_for_recipe
 from npuq.optimize.rotate import rotate_model
 from npuq.runtime.runner import forward_logits
 
+sys.path.insert(0, str(Path(__file__).parent))
+from corpora import calibration_prose_file, prose_file  # noqa: E402  (bench/corpora.py)
+
 
 def config(label: str, recipe: str, seq_mse: int | None = None, granularity: str = "channel", rounding: str = "nearest",
-           inputs: str = "float", act_order: bool = False, rotate: str | None = None) -> dict:
+           inputs: str = "float", act_order: bool = False, rotate: str | None = None, calib: str = "builtin") -> dict:
     assert rotate in ROTATIONS, rotate
     return {"config": label, "recipe": recipe, "seq_mse": seq_mse, "granularity": granularity if seq_mse else None,
             "rounding": rounding, "layer_inputs": inputs, "act_order": act_order if rounding == "gptq" else None,
-            "rotate": rotate}
+            "rotate": rotate, "calib": calib}
 
 
 ROTATIONS = {None: None, "r1": dict(r1=True, r2=False), "r1+r2": dict(r1=True, r2=True)}  # rotate → rotate_model flags
 ROTATION_SEED = 0
 
+
+DOMAIN_CONFIGS = [config("16a8w", "16a8w")]
+for _recipe in ("16a4w", "16a4w_block", "16a4w_mixed"):
+    for _rotate in (None, "r1", "r1+r2"):
+        DOMAIN_CONFIGS.append(config(f"{_recipe} + SeqMSE + GPTQ" + (f", rotated {_rotate}" if _rotate else ""),
+                                     _recipe, 50, rounding="gptq", inputs="quantized", act_order=True, rotate=_rotate))
 
 CONFIGS = [
     config("16a8w", "16a8w"),
@@ -68,10 +90,11 @@ CONFIGS = [
     config("16a4w_block + SeqMSE channel + GPTQ act-order, quantized inputs", "16a4w_block", 50, rounding="gptq",
            inputs="quantized", act_order=True),
 ]
-for _recipe in ("16a4w", "16a4w_block", "16a4w_mixed"):  # npuq's defaults on rotated weights
-    for _rotate in ("r1", "r1+r2"):
-        CONFIGS.append(config(f"{_recipe} + SeqMSE channel + GPTQ act-order, quantized inputs, rotated {_rotate}",
-                              _recipe, 50, rounding="gptq", inputs="quantized", act_order=True, rotate=_rotate))
+MIX = "builtin+prose"  # the builtin calib split and Areopagitica, half the tokens each
+CALIBRATION_CONFIGS = [config(f"{r} + SeqMSE + GPTQ, rotated r1, calibrated on {c}", r, 50, rounding="gptq",
+                              inputs="quantized", act_order=True, rotate="r1", calib=c)
+                       for r in ("16a4w", "16a4w_block") for c in ("builtin", MIX)]
+SETS = {"domains": DOMAIN_CONFIGS, "recovery": CONFIGS, "calibration": CALIBRATION_CONFIGS}
 
 
 def main() -> None:
@@ -80,6 +103,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--eval-tokens", type=int, default=4096)
+    ap.add_argument("--set", choices=sorted(SETS), default="domains", help="which configurations (see above)")
     ap.add_argument("--only", action="append", help="run only configurations whose label contains this")
     ap.add_argument("--exact", action="store_true", help="--only names whole labels")
     ap.add_argument("--out", default="out/bench/accuracy.json")
@@ -106,24 +130,32 @@ def main() -> None:
         model.config = cfg
         return report
 
-    calib = corpus_tokens(tok, "builtin", args.calib_tokens)
-    docs = load_corpus("builtin", "eval")
+    calib_specs = {"builtin": "builtin", MIX: f"builtin+file:{calibration_prose_file()}"}
+    calibs = {name: corpus_tokens(tok, spec, args.calib_tokens) for name, spec in calib_specs.items()}
+    domains = {"builtin": load_corpus("builtin", "eval"), "prose": load_corpus(f"file:{prose_file()}")}
 
-    def evaluate(logits_fn):
-        r = evaluate_perplexity(logits_fn, tok, docs, args.context, max_tokens=args.eval_tokens)
-        return {k: getattr(r, k) for k in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens", "seconds")}
+    def evaluate(logits_fn, row):
+        """Score every domain into ``row``: metrics per domain, and ratios to the float row."""
+        row["domains"] = {}
+        for name, docs in domains.items():
+            r = evaluate_perplexity(logits_fn, tok, docs, args.context, max_tokens=args.eval_tokens)
+            m = {k: getattr(r, k) for k in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens", "seconds")}
+            if rows:
+                base = rows[0]["domains"][name]
+                m["word_over_float"] = m["word_perplexity"] / base["word_perplexity"]
+                m["byte_over_float"] = m["byte_perplexity"] / base["byte_perplexity"]
+            row["domains"][name] = m
+        rows.append(row)
+        print(json.dumps(row), flush=True)
 
-    rows = [{"config": "float", "rotate": None, **evaluate(lambda t: forward_logits(model, t))}]
-    print(json.dumps(rows[-1]), flush=True)
-    selected = [spec for spec in CONFIGS
+    rows: list[dict] = []
+    evaluate(lambda t: forward_logits(model, t), {"config": "float", "rotate": None})
+    selected = [spec for spec in SETS[args.set]
                 if not args.only or any(o == spec["config"] if args.exact else o in spec["config"] for o in args.only)]
     for rotate in dict.fromkeys(spec["rotate"] for spec in selected if spec["rotate"]):
         report = load_weights(rotate)
-        row = {"config": f"float, rotated {rotate}", "rotate": rotate, "rotation": report,
-               **evaluate(lambda t: forward_logits(model, t))}
-        row["ppl_over_float"] = row["word_perplexity"] / rows[0]["word_perplexity"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        evaluate(lambda t: forward_logits(model, t),
+                 {"config": f"float, rotated {rotate}", "rotate": rotate, "rotation": report})
     for spec in selected:
         row = dict(spec)
         report = load_weights(spec["rotate"])
@@ -134,22 +166,21 @@ def main() -> None:
         scales = None
         if spec["seq_mse"] is not None or spec["rounding"] != "nearest":
             scales, summary = optimize_for_recipe(
-                model, recipe, split_windows(calib, args.context), seq_mse=spec["seq_mse"],
+                model, recipe, split_windows(calibs[spec["calib"]], args.context), seq_mse=spec["seq_mse"],
                 granularity=spec["granularity"] or "channel", rounding=spec["rounding"], progress=False,
                 inputs=spec["layer_inputs"], act_order=bool(spec["act_order"]))
             row.update(optimize=summary)
         row["optimize_seconds"] = time.perf_counter() - start
-        qm = quantize_model(model, recipe, calib, context=args.context, weight_scales=scales)
+        qm = quantize_model(model, recipe, calibs[spec["calib"]], context=args.context, weight_scales=scales)
         row["quantize_seconds"] = sum(qm.stats[k] for k in ("prepare_seconds", "calibration_seconds", "convert_seconds"))
         qm.decode, qm.prefill = fold_constant_dequant(qm.decode), fold_constant_dequant(qm.prefill)  # same numbers, faster
         with torch.no_grad():
-            row.update(evaluate(qm.logits))
-        row["ppl_over_float"] = row["word_perplexity"] / rows[0]["word_perplexity"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            evaluate(qm.logits, row)
     load_weights(None)
-    result = {"model": args.model, "context": args.context, "calib_tokens": len(calib), "eval_tokens": args.eval_tokens,
-              "corpus": "builtin (calib / eval splits)", "threads": torch.get_num_threads(), "rows": rows}
+    result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
+              "eval_tokens": args.eval_tokens, "calibration": calib_specs,
+              "domains": {"builtin": "builtin eval split", "prose": f"file:{prose_file()} (bench/corpora.py)"},
+              "threads": torch.get_num_threads(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, result)
     print(f"wrote {args.out}")

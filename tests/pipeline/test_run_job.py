@@ -171,3 +171,17 @@ def test_rotation_redoes_quantize_and_layers_compare_in_one_basis(first_run, inp
     q, e = report["perplexity"]["quantized"], report["perplexity"]["exported"]
     assert abs(e["word_perplexity"] / q["word_perplexity"] - 1) < 0.01
     assert abs(q["word_perplexity"] / report["perplexity"]["float"]["word_perplexity"] - 1) < 0.05
+
+
+def test_an_edited_recipe_file_redoes_quantize(first_run, inputs, tmp_path):
+    """The quantize stage is keyed on the recipe as resolved, not on its name: the same
+    --recipe path with other content is a new quantize stage."""
+    out, _ = first_run
+    recipe = tmp_path / "mine.json"
+    recipe.write_text(json.dumps({"default": "16a8w"}))
+    assert main(argv(inputs, out, "--recipe", str(recipe))) == 0
+    recipe.write_text(json.dumps({"default": "16a8w", "lm_head": "16a16w"}))
+    assert main(argv(inputs, out, "--recipe", str(recipe))) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert "quantize" in [s["stage"] for s in report["stages"] if not s["cached"]]
+    assert json.loads((out / "artifact" / "config.json").read_text())["recipe"]["lm_head"] == "16a16w"

@@ -186,7 +186,8 @@ class Job:
             result = quantize_to_artifact(q, folder / "artifact", self.ctx)
             return replace(result, artifact="artifact")  # relative to the stage folder
 
-        inputs = {**base, "options": to_json(q), "recipe_text": q.recipe_text(), "device": str(self.ctx.device)}
+        # the recipe as resolved (a file's content, a built-in's current rules and rotation), not its name
+        inputs = {**base, "options": to_json(q), "recipe": self.recipe.to_dict(), "device": str(self.ctx.device)}
         self.stage("quantize", inputs, build, QuantizeResult)
 
     def evaluate(self, name: str, of: str | None, base: dict[str, Any]) -> None:
@@ -281,7 +282,7 @@ class Job:
     # ------------------------------------------------------------------ the whole job
     def check(self) -> None:
         """What the records cannot check alone (files, corpora, the environment), before the first stage."""
-        check_quantize(self.options.quantize)
+        self.recipe = check_quantize(self.options.quantize)[0]
         self.target = self.options.export.target()
         self.documents = load_corpus(self.options.eval_corpus, "eval")
         model_identity(self.options.model)

@@ -85,12 +85,6 @@ class QuantizeOptions:
         """The thread-plan phase calibration runs: whole contexts, or AR-1 decode steps."""
         return "calibrate" if self.calibration_mode == "onepass" else "decode"
 
-    def recipe_text(self) -> str | None:
-        """A recipe file's content (what a stage key must hold, not its name); None for built-ins."""
-        if self.recipe and Path(self.recipe).is_file():
-            return Path(self.recipe).read_text(encoding="utf-8")
-        return None
-
 
 @dataclass(frozen=True)
 class QuantizeResult:
@@ -119,7 +113,8 @@ class QuantizeResult:
     rotation: dict[str, Any] | None = None  # npuq.optimize.rotate.RotationReport; None: not rotated
 
     def describe(self) -> str:
-        return (f"{self.artifact}: {self.scheme} ({self.recipe}), {self.calibration_mode} calibration on "
+        rotated = f", rotated {'+'.join(r for r in ('r1', 'r2') if self.rotation[r])}" if self.rotation else ""
+        return (f"{self.artifact}: {self.scheme} ({self.recipe}{rotated}), {self.calibration_mode} calibration on "
                 f"{self.calibration_tokens} tokens in {self.calibration_seconds:.1f} s (prepare "
                 f"{self.prepare_seconds:.1f} s, convert {self.convert_seconds:.1f} s, total {self.total_seconds:.1f} s, "
                 f"{self.threads} threads, {self.device})")
