@@ -14,6 +14,7 @@ links are impossible), so they are ordinary folders that can be copied to a devi
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import shutil
 import sys
@@ -131,6 +132,7 @@ class Job:
         self.folders: dict[str, Path] = {}
         self.keys: dict[str, str] = {}
         self._rotated = False  # float_in_artifact_basis has rotated self.loaded.model
+        self._tokenizer: Any = None
 
     def say(self, text: str) -> None:
         if self.ctx.progress:
@@ -142,6 +144,23 @@ class Job:
         from npuq.models import load_model
 
         return load_model(self.options.model, max_context=max(self.options.quantize.context, 4096))
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, kept when the float model is released."""
+        if self._tokenizer is None:
+            self._tokenizer = self.loaded.tokenizer
+        return self._tokenizer
+
+    def release_float(self) -> None:
+        """Drop the float model before a stage that loads its own copy (quantize) or needs none
+        (export), so two copies never live at once; the next use loads it again (from the GGUF
+        cache or the safetensors files: seconds, against one fp32 copy of the weights held)."""
+        if "loaded" in self.__dict__:
+            self.tokenizer  # noqa: B018  (kept for the stages that need only the tokenizer)
+            del self.__dict__["loaded"]
+            self._rotated = False
+            gc.collect()
 
     def stage(self, name: str, inputs: dict[str, Any], build: Callable[[Path], Any], record: type | None = None) -> Any:
         """Stage ``name`` keyed on ``inputs`` (records as their whole JSON, upstream keys, the
@@ -183,6 +202,7 @@ class Job:
         q = self.options.quantize
 
         def build(folder: Path) -> QuantizeResult:
+            self.release_float()  # the stage loads (and rotates, rounds) its own copy
             result = quantize_to_artifact(q, folder / "artifact", self.ctx)
             return replace(result, artifact="artifact")  # relative to the stage folder
 
@@ -207,7 +227,7 @@ class Job:
                     self.loaded.model.to("cpu")  # the later stages run it on the CPU
             programs = self.artifact_programs() if of == "quantize" else self.export_programs()
             with ctx.scope("prefill"):  # prefill chunks
-                result = evaluate_perplexity(programs.to(ctx.device).logits, self.loaded.tokenizer, self.documents,
+                result = evaluate_perplexity(programs.to(ctx.device).logits, self.tokenizer, self.documents,
                                              e.context, max_tokens=e.max_tokens, progress=ctx.progress,
                                              device=ctx.device)
             return replace(result, graphs=programs.describe())
@@ -241,7 +261,7 @@ class Job:
 
         def build(_folder: Path) -> dict[str, Any]:
             programs = self.artifact_programs()
-            ids = corpus_tokens(self.loaded.tokenizer, o.eval_corpus, o.sqnr_tokens, split="eval")
+            ids = corpus_tokens(self.tokenizer, o.eval_corpus, o.sqnr_tokens, split="eval")
             model = self.float_in_artifact_basis()
             with ctx.scope("prefill"):
                 errors = layer_errors(model, programs.graphs, programs.config, programs.context, ids)
@@ -272,6 +292,7 @@ class Job:
         x = self.options.export
 
         def build(folder: Path) -> ExportResult:
+            self.release_float()  # neither export nor the exported graphs' evaluation needs it
             result = export_artifact(self.folders["quantize"] / "artifact", folder / "onnx", x, target=self.target)
             return replace(result, files={k: str(Path(v).relative_to(folder)) for k, v in result.files.items()})
 
