@@ -153,7 +153,7 @@ def _export_options(args: argparse.Namespace) -> Any:
 
     return ExportOptions(qnn_version=args.qnn_version, htp_arch=args.htp_arch, soc=args.soc,
                          embedding_pattern=args.embedding_pattern, embedding_storage=args.embedding_storage,
-                         compile=args.compile, share_weights=args.share_weights)
+                         compile=args.compile, share_weights=args.share_weights, genai=args.genai)
 
 
 def _add_quantize_options(p: argparse.ArgumentParser) -> None:
@@ -226,6 +226,13 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
                    help="with --compile: one context binary holding the weights once for both graphs (half the size "
                         "on a device); the HTP emulator cannot load it, so it is verified only on a device and "
                         "'--provider htp' runs the QDQ graphs instead")
+    p.add_argument("--genai", choices=("windowed", "shared"), default=None, metavar="CACHE",
+                   help="also make the folder an onnxruntime-genai model folder (og.Model(folder)): genai_config.json "
+                        "(model.type decoder-pipeline), the tokenizer files and small CPU stages around the same "
+                        "graphs. CACHE is the KV-cache contract: windowed, the one onnxruntime-genai runs on a "
+                        "Snapdragon NPU (QNN HTP device; needs uint8 KV, a recipe with \"kv_bits\": 8; KV inputs "
+                        "declared [KV, 1, ...]), or shared, the one its CPU provider runs (any KV type) "
+                        "(default: off)")
 
 
 # --------------------------------------------------------------------------- info
@@ -375,7 +382,8 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
 
     result = export_artifact(args.artifact, args.out, _export_options(args), force=args.force)
     compiled = ", decode_ctx.onnx, prefill_ctx.onnx + .bin" if result.compile_seconds is not None else ""
-    print(f"{args.out}: decode.onnx, prefill.onnx, encodings.json{compiled}, manifest.json for {result.describe()} "
+    genai = ", genai_config.json + tokenizer + genai_*.onnx" if result.genai is not None else ""
+    print(f"{args.out}: decode.onnx, prefill.onnx, encodings.json{compiled}{genai}, manifest.json for {result.describe()} "
           f"[{result.seconds:.1f} s]")
     return to_json(result)
 
@@ -510,7 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with static shapes and quantized KV-cache I/O, choosing patterns by the target "
                                    "QNN SDK version and HTP architecture; write encodings.json (the encodings of "
                                    "both graphs in AIMET's format 1.0.0, named by ONNX tensor) and manifest.json "
-                                   "beside them. With --compile, also QNN HTP context binaries for the target chip.")
+                                   "beside them. With --compile, also QNN HTP context binaries for the target chip; "
+                                   "with --genai, also an onnxruntime-genai model folder around the same graphs.")
     p.add_argument("--artifact", required=True, metavar="DIR", help="folder written by 'npuq quantize --out'")
     p.add_argument("--out", required=True, metavar="DIR", help="export folder to write (must not exist unless --force)")
     _add_target_options(p)

@@ -77,7 +77,7 @@ def test_second_run_reuses_every_stage_and_export_options_redo_only_the_export(f
 
 # An alternative value for every ExportOptions field; the test fails for a field missing here.
 EXPORT_CHANGES = {"qnn_version": "2.47", "htp_arch": "75", "soc": "SM8650", "embedding_pattern": "legacy",
-                  "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True}
+                  "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True, "genai": "shared"}
 # flags that need a companion flag (--share-weights applies to --compile only)
 EXPORT_COMPANIONS = {"share_weights": ["--compile"]}
 

@@ -6,6 +6,8 @@
                         (npuq.lower.aimet, docs/design.md §11)
     OUT/<graph>_ctx.onnx + its .bin   with --compile: QNN HTP context binaries of both graphs
                         for the target's HTP arch (npuq.lower.compile, docs/design.md §11)
+    OUT/genai_config.json, tokenizer files, genai_*.onnx   with --genai windowed|shared: the same
+                        folder is an onnxruntime-genai model folder too (npuq.lower.genai, §11)
     OUT/manifest.json   I/O names, shapes, dtypes and encodings; context; target (QNN version
                         and where it came from, HTP arch); the pattern chosen per embedding
                         and every other lowering decision; the tokenizer reference
@@ -38,6 +40,7 @@ from npuq.errors import NpuqError
 from npuq.lower.aimet import FORMAT_VERSION as AIMET_VERSION
 from npuq.lower.aimet import graph_encodings, merge_encodings
 from npuq.lower.compile import check_can_compile, compile_contexts
+from npuq.lower import genai
 from npuq.lower.manifest import (EXPORT_FORMAT, ArtifactRef, EncodingsFile, GraphEntry, LoweringChoices, Manifest,
                                  TargetInfo, TokenizerRef)
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
@@ -170,6 +173,8 @@ class ExportOptions:
     # only). None when off, so the key of an export without them is what it was before them.
     compile: bool | None = optional_key()
     share_weights: bool | None = optional_key()
+    # --genai windowed|shared: also an onnxruntime-genai folder with that KV-cache contract (None: off)
+    genai: str | None = optional_key()
 
     def __post_init__(self) -> None:
         if self.htp_arch is not None and self.soc is not None:
@@ -182,6 +187,9 @@ class ExportOptions:
         if self.compile and self.htp_arch is None and self.soc is None:
             raise NpuqError("--compile needs the target chip, since a QNN context binary runs on one HTP "
                             "architecture only: add --soc NAME (e.g. SM8650) or --htp-arch A (68, 69, 73, 75, 79, 81)")
+        if self.genai is not None and self.genai not in genai.CACHES:
+            raise NpuqError(f"--genai {self.genai!r:.40}: choose windowed (onnxruntime-genai's NPU cache, uint8 KV) "
+                            "or shared (its CPU provider's cache)")
         if self.qnn_version is not None:
             parse_version(self.qnn_version)
         if self.htp_arch is not None:
@@ -209,6 +217,7 @@ class ExportResult:
     seconds: float
     compile_seconds: float | None = optional_key()  # with --compile
     share_weights: bool | None = optional_key()  # with --compile --share-weights
+    genai: str | None = optional_key()  # with --genai: the cache contract of the onnxruntime-genai folder
 
     def describe(self) -> str:
         qnn = f"QNN {self.qnn_version} ({self.qnn_version_source})" if self.qnn_version else "QNN version unknown"
@@ -217,6 +226,8 @@ class ExportResult:
         if self.compile_seconds is not None:
             shared = ", weights shared (verified only on a device)" if self.share_weights else ""
             text += f"; QNN contexts compiled in {self.compile_seconds:.1f} s{shared}"
+        if self.genai is not None:
+            text += f"; onnxruntime-genai folder ({self.genai} KV cache)"
         return text
 
 
@@ -247,6 +258,10 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     config = read_artifact(artifact)
     cfg = config.cfg
     in_names, out_names = io_names(cfg.num_layers)
+    tokenizer = None
+    if options.genai:  # refused before any lowering: a window the runtime cannot run, no tokenizer
+        genai.check_window(config.context, config.programs["prefill"].ar_len if "prefill" in config.programs else 1)
+        tokenizer = _tokenizer(config)
 
     phases = dict.fromkeys(PHASES, 0.0)
     lowered: dict[str, LoweredGraph] = {}
@@ -260,6 +275,11 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                               graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
             del program
             encodings[kind] = graph_encodings(g.model)
+            if options.genai:
+                genai.check_io(cfg, kind, [s.entry() for s in g.inputs + g.outputs], options.genai)
+            if options.genai == "windowed":  # the runtime's cache layout (batch 1: the same bytes)
+                genai.heads_first(g.model, [s.entry() for s in g.inputs + g.outputs])
+                g.inputs, g.outputs = _heads_first(g.inputs), _heads_first(g.outputs)
         with _timed(phases, "serialize"):
             blobs[kind] = _serialize(g.model)
         # The bytes are what gets written: drop the proto (as big as the weights) unless needed.
@@ -276,7 +296,8 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     sizes = [len(blobs[k]) if blobs[k] is not None else g.model.ByteSize() for k, g in lowered.items()]
     # --compile: each context binary holds about the graph's weights again.
     contexts = 0 if not options.compile else (max(sizes) if options.share_weights else sum(sizes))
-    check_free_disk(out, sum(sizes) + contexts + len(aimet_text) + (1 << 20), f"the export {out}")
+    extra = (16 << 20) if options.genai else 0  # stage graphs (kB) and the tokenizer (a few MB)
+    check_free_disk(out, sum(sizes) + contexts + len(aimet_text) + extra + (1 << 20), f"the export {out}")
     compiled = None
     with _timed(phases, "write"), atomic_dir(out) as tmp:
         files: dict[str, str] = {}
@@ -298,6 +319,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                 outputs=tuple(s.entry() for s in g.outputs),
                 builders=g.builders,
                 notes=tuple({"kind": n.kind, "node": n.node, **n.detail} for n in g.notes if n.kind != "embedding_pattern"),
+                kv_heads_first=True if options.genai == "windowed" else None,
             )
         (tmp / ENCODINGS_FILE).write_text(aimet_text, encoding="utf-8")
         files["encodings"] = str(out / ENCODINGS_FILE)
@@ -307,6 +329,10 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                                             bool(options.share_weights))
             for kind, c in compiled.graphs.items():
                 files[f"{kind}_ctx"], files[f"{kind}_ctx_bin"] = str(out / c.file), str(out / c.binary)
+        genai_record = None
+        if options.genai:
+            genai_record = genai.write_folder(tmp, cfg, config.context, options.genai, graphs, tokenizer)
+            files["genai_config"] = str(out / genai_record.config)
         model_info = config.model
         manifest = Manifest(
             format=EXPORT_FORMAT,
@@ -331,6 +357,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
             encodings=EncodingsFile(ENCODINGS_FILE, f"aimet-{AIMET_VERSION}", _sha256(tmp / ENCODINGS_FILE),
                                     len(aimet["activation_encodings"]), len(aimet["param_encodings"])),
             compiled=compiled,
+            genai=genai_record,
         )
         (tmp / "manifest.json").write_text(json.dumps(to_json(manifest), indent=2) + "\n", encoding="utf-8")
         files["manifest"] = str(out / "manifest.json")
@@ -340,7 +367,29 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     return ExportResult(manifest.target.qnn_version, target.qnn_version_source, target.htp_arch, target.soc,
                         pattern, files, time.perf_counter() - start,
                         compile_seconds=round(phases["compile"], 3) if compiled else None,
-                        share_weights=True if compiled and compiled.share_weights else None)
+                        share_weights=True if compiled and compiled.share_weights else None,
+                        genai=options.genai)
+
+
+def _heads_first(specs: list) -> list:
+    """The KV-cache specs declared [KV, 1, ...] (npuq.lower.genai.heads_first), the rest as they are."""
+    return [dataclasses.replace(s, shape=(s.shape[1], s.shape[0], *s.shape[2:])) if is_kv(s.name) else s
+            for s in specs]
+
+
+def _tokenizer(config) -> Any:
+    """The artifact's model's tokenizer, for --genai (its recorded source when still there, else its name)."""
+    from npuq.models import load_tokenizer
+
+    model = config.model
+    for spec, is_path in ((model.source if model else None, True), (model.name if model else None, False)):
+        if spec and "\x00" not in spec and (not is_path or Path(spec).exists()):
+            try:
+                return load_tokenizer(spec)
+            except NpuqError as exc:
+                raise NpuqError(f"--genai needs the model's tokenizer: {exc}") from None
+    raise NpuqError("--genai needs the model's tokenizer, but the artifact records no model it can be loaded from "
+                    "(quantize again from a model folder, GGUF file or built-in name)")
 
 
 # --------------------------------------------------------------------------- reading it back
@@ -369,6 +418,10 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
             resolve_inside(folder, entry.external_data, at)
     if manifest.encodings is not None:
         resolve_inside(folder, manifest.encodings.file, f"{where}, encodings")
+    if manifest.genai is not None:
+        for name in (manifest.genai.config, *manifest.genai.stages):
+            if not resolve_inside(folder, name, f"{where}, genai").is_file():
+                raise NpuqError(f"{where}, genai: {name} is missing; {again} with --genai")
     if manifest.compiled is not None:
         for kind, c in manifest.compiled.graphs.items():
             at = f"{where}, compiled context {kind!s:.40}"

@@ -82,6 +82,9 @@ class GraphEntry:
     outputs: tuple[IOEntry, ...]
     builders: dict[str, str]  # op → builder variant used
     notes: tuple[dict[str, Any], ...]  # lowering decisions: kind, node and their details
+    # --genai windowed: the KV-cache I/O is declared [KV, 1, ...] (onnxruntime-genai's NPU layout)
+    # instead of [1, KV, ...]; a runner swaps the first two axes (batch 1: the same bytes)
+    kv_heads_first: bool | None = optional_key()
 
     def __post_init__(self) -> None:
         for side in ("inputs", "outputs"):
@@ -168,6 +171,27 @@ class CompiledContexts:
 
 
 @dataclass(frozen=True)
+class GenaiFolder:
+    """``npuq export --genai``: the onnxruntime-genai model folder written into the export
+    (docs/design.md §11)."""
+
+    config: str  # genai_config.json
+    cache: str  # windowed | shared: the KV-cache contract
+    model_type: str  # decoder-pipeline
+    window: int  # tokens per prompt call (the prefill graph's ar_len)
+    pad_value: int | None  # windowed: what the runtime fills empty cache slots with
+    stages: tuple[str, ...]  # the pipeline's ONNX files, in order
+    tokenizer: tuple[str, ...]  # tokenizer files
+    verified: str  # where npuq checked it runs
+
+    def __post_init__(self) -> None:
+        if self.cache not in ("windowed", "shared"):
+            raise NpuqError(f"genai cache {self.cache!r:.40} is not windowed or shared")
+        if not self.stages or not self.config:
+            raise NpuqError("the genai record lists no config or no stages")
+
+
+@dataclass(frozen=True)
 class Manifest:
     """manifest.json: everything a runner needs besides the graph files."""
 
@@ -186,6 +210,7 @@ class Manifest:
     graphs: dict[str, GraphEntry]  # decode, prefill
     encodings: EncodingsFile | None = optional_key()  # absent in exports of npuq before it
     compiled: CompiledContexts | None = optional_key()  # with --compile only
+    genai: GenaiFolder | None = optional_key()  # with --genai only
 
     def __post_init__(self) -> None:
         if self.format != EXPORT_FORMAT:

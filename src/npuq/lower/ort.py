@@ -152,7 +152,9 @@ class OrtGraph:
     and encodings: :class:`npuq.lower.manifest.GraphEntry`). KV-cache inputs holding quantized codes are passed as codes in any
     tensor dtype (a float32 buffer holds uint16 codes exactly) and come back as int32 codes;
     float inputs that the graph takes quantized are quantized here, and quantized outputs
-    other than the caches (e.g. logits) are dequantized.
+    other than the caches (e.g. logits) are dequantized. A graph whose cache I/O is declared
+    heads first, [KV, B, ...] (``kv_heads_first``: ``npuq export --genai windowed``), gets and
+    returns the runner's [B, KV, ...] with the first two axes swapped (for batch 1 a relabelling).
     """
 
     def __init__(self, session, io: GraphEntry, cache_prefixes: Sequence[str] = ("k_cache", "v_cache", "k_new", "v_new"),
@@ -162,6 +164,7 @@ class OrtGraph:
         self.inputs = io.inputs
         self.outputs = io.outputs
         self._codes = {s.name for s in self.inputs + self.outputs if s.name.startswith(tuple(cache_prefixes))}
+        self._swap = self._codes if io.kv_heads_first else set()
         # What an empty cache slot holds (npuq.runtime.runner.Graph): each cache input's zero
         # point, the code of 0.0; 0.0 for a float cache.
         self.empty_cache = tuple(float(s.encoding.zero_point) if s.encoding is not None else 0.0
@@ -177,7 +180,8 @@ class OrtGraph:
             if enc is None:
                 feeds[spec.name] = a.astype(spec.dtype)
             elif spec.name in self._codes:
-                feeds[spec.name] = np.clip(np.rint(a), enc.qmin, enc.qmax).astype(spec.dtype)
+                a = np.swapaxes(a, 0, 1) if spec.name in self._swap else a
+                feeds[spec.name] = np.ascontiguousarray(np.clip(np.rint(a), enc.qmin, enc.qmax).astype(spec.dtype))
             else:
                 feeds[spec.name] = _quantize(a, enc)
         results = self.session.run([s.name for s in self.outputs], feeds)
@@ -188,6 +192,7 @@ class OrtGraph:
                 r = _dequantize(r, enc)
             elif enc is not None:
                 r = r.astype(np.int32)
+                r = np.swapaxes(r, 0, 1) if spec.name in self._swap else r
             out.append(torch.from_numpy(np.ascontiguousarray(r)))
         return out
 

@@ -123,6 +123,21 @@ def load_model(spec: str, max_context: int | None = None) -> LoadedModel:
     return LoadedModel(spec, str(path), cfg, hf_config, model, tokenizer)
 
 
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of ``spec`` without loading its weights: a Hugging Face folder's files; a
+    GGUF's cached conversion when one is there, else built from the GGUF's metadata."""
+    kind, path = resolve(spec)
+    if kind == "hf":
+        return hf_tokenizer(path)()
+    entry = gguf_cache.entry_for(path)
+    if entry is not None and entry.check() is None:
+        try:
+            return hf_tokenizer(entry.folder)()
+        except ModelLoadError:
+            pass  # a damaged entry: the GGUF still has it
+    return gguf_tokenizer(path)
+
+
 def _model_config(hf_config: Any, max_context: int | None) -> ModelConfig:
     return _check_context(config_from_hf(hf_config), max_context)
 
