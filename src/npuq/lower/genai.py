@@ -1,4 +1,4 @@
-"""An onnxruntime-genai model folder around an export's graphs (``npuq export --format genai``,
+"""An onnxruntime-genai model folder around an export's graphs (``npuq export --genai windowed|shared``,
 docs/design.md §10, §11).
 
 onnxruntime-genai's ``decoder-pipeline`` model type runs a list of ONNX graphs ("stages") in
@@ -10,7 +10,7 @@ small float graphs of a few ops, on the CPU, turn the runtime's tensors into npu
     attention_mask [1, ctx] int64 (1: a real token; the current window in the last T columns)
     + positions [1, T]  →  mask [1, M, T, ctx], npuq's additive mask (0 / MASK_VALUE)
 
-Two cache contracts (``--genai-cache``):
+Two cache contracts (the value of ``--genai``):
 
 - ``windowed``: the runtime keeps the cache itself, right-aligned, one input [KV, 1, D, ctx-T]
   and one output [KV, 1, D, T] per layer for K (V: [KV, 1, ctx-T, D] / [KV, 1, T, D]), uint8
