@@ -263,64 +263,73 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
         genai.check_window(config.context, config.programs["prefill"].ar_len if "prefill" in config.programs else 1)
         tokenizer = _tokenizer(config)
 
-    phases = dict.fromkeys(PHASES, 0.0)
-    lowered: dict[str, LoweredGraph] = {}
-    blobs: dict[str, bytes | None] = {}  # the file of each graph, or None: saved with external data
-    encodings: dict[str, tuple[dict, dict]] = {}  # AIMET entries of each graph, read before the proto goes
-    for kind in ("decode", "prefill"):
-        with _timed(phases, "load"):
-            program = load_program(program_path(artifact, config, kind))
-        with _timed(phases, "lower"):
-            g = lower_program(program, target, options.lower_options(), in_names, out_names, is_kv,
-                              graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
-            del program
-            encodings[kind] = graph_encodings(g.model)
-            if options.genai:
-                genai.check_io(cfg, kind, [s.entry() for s in g.inputs + g.outputs], options.genai)
-            if options.genai == "windowed":  # the runtime's cache layout (batch 1: the same bytes)
-                genai.heads_first(g.model, [s.entry() for s in g.inputs + g.outputs])
-                g.inputs, g.outputs = _heads_first(g.inputs), _heads_first(g.outputs)
-        with _timed(phases, "serialize"):
-            blobs[kind] = _serialize(g.model)
-        # The bytes are what gets written: drop the proto (as big as the weights) unless needed.
-        lowered[kind] = g if blobs[kind] is None else dataclasses.replace(g, model=onnx.ModelProto())
-    check_kv_encodings(lowered)
-    aimet = merge_encodings(encodings)  # decode and prefill must agree on every tensor they share
-    aimet_text = json.dumps(aimet, separators=(",", ":")) + "\n"
-    log_notes_once([n for g in lowered.values() for n in g.notes])
-
-    pattern, per_node = _embedding_summary({k: g.notes for k, g in lowered.items()})
     from npuq.resources import check_free_disk
 
-    # Serialized size is exact (external data, if any, holds the same bytes); + the manifest.
-    sizes = [len(blobs[k]) if blobs[k] is not None else g.model.ByteSize() for k, g in lowered.items()]
-    # --compile: each context binary holds about the graph's weights again.
-    contexts = 0 if not options.compile else (max(sizes) if options.share_weights else sum(sizes))
-    extra = (16 << 20) if options.genai else 0  # stage graphs (kB) and the tokenizer (a few MB)
-    check_free_disk(out, sum(sizes) + contexts + len(aimet_text) + extra + (1 << 20), f"the export {out}")
+    phases = dict.fromkeys(PHASES, 0.0)
+    lowered: dict[str, LoweredGraph] = {}  # each graph's I/O and notes, its proto dropped once written
+    encodings: dict[str, tuple[dict, dict]] = {}  # AIMET entries of each graph, read before the proto goes
+    sizes: list[int] = []
+    files: dict[str, str] = {}
+    graphs: dict[str, GraphEntry] = {}
     compiled = None
-    with _timed(phases, "write"), atomic_dir(out) as tmp:
-        files: dict[str, str] = {}
-        graphs: dict[str, GraphEntry] = {}
-        for kind, g in lowered.items():
+    # Each graph is written as soon as it is lowered, so only one graph's proto (as big as the
+    # weights) is ever in memory, not both until the end.
+    with atomic_dir(out) as tmp:
+        kinds = ("decode", "prefill")
+        for i, kind in enumerate(kinds):
+            with _timed(phases, "load"):
+                program = load_program(program_path(artifact, config, kind))
+            with _timed(phases, "lower"):
+                g = lower_program(program, target, options.lower_options(), in_names, out_names, is_kv,
+                                  graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
+                del program
+                encodings[kind] = graph_encodings(g.model)
+                if options.genai:
+                    genai.check_io(cfg, kind, [s.entry() for s in g.inputs + g.outputs], options.genai)
+                if options.genai == "windowed":  # the runtime's cache layout (batch 1: the same bytes)
+                    genai.heads_first(g.model, [s.entry() for s in g.inputs + g.outputs])
+                    g.inputs, g.outputs = _heads_first(g.inputs), _heads_first(g.outputs)
+            with _timed(phases, "serialize"):
+                blob = _serialize(g.model)  # None: too big for one protobuf file, saved with external data
+            # Before writing: this graph (its serialized size is exact; external data holds the same
+            # bytes), each graph still to come at about its size (decode and prefill share the weights),
+            # --compile's context binaries (each about its graph's weights again, once if shared), the
+            # genai stage graphs and tokenizer (a few MB) and the encodings and manifest.
+            size = len(blob) if blob is not None else g.model.ByteSize()
+            expected = sizes + [size] * (len(kinds) - i)
+            contexts = 0 if not options.compile else (max(expected) if options.share_weights else sum(expected))
+            extra = ((16 << 20) if options.genai else 0) + (8 << 20)
+            check_free_disk(out, sum(expected) - sum(sizes) + contexts + extra, f"the export {out}")
+            sizes.append(size)
             path = tmp / f"{kind}.onnx"
-            if blobs[kind] is not None:
-                written, digest = [path.name], _write(blobs.pop(kind), path)
-            else:
-                written = _save_external(g.model, path)
-                digest = _sha256(tmp / written[0])
+            with _timed(phases, "write"):
+                if blob is not None:
+                    written, digest = [path.name], _write(blob, path)
+                    del blob
+                else:
+                    written = _save_external(g.model, path)
+                    digest = _sha256(tmp / written[0])
+            lowered[kind] = dataclasses.replace(g, model=onnx.ModelProto())
+            del g
             files[kind] = str(out / written[0])
             graphs[kind] = GraphEntry(
                 file=written[0],
                 external_data=written[1] if len(written) > 1 else None,
                 sha256=digest,
                 ar_len=config.programs[kind].ar_len,
-                inputs=tuple(s.entry() for s in g.inputs),
-                outputs=tuple(s.entry() for s in g.outputs),
-                builders=g.builders,
-                notes=tuple({"kind": n.kind, "node": n.node, **n.detail} for n in g.notes if n.kind != "embedding_pattern"),
+                inputs=tuple(s.entry() for s in lowered[kind].inputs),
+                outputs=tuple(s.entry() for s in lowered[kind].outputs),
+                builders=lowered[kind].builders,
+                notes=tuple({"kind": n.kind, "node": n.node, **n.detail} for n in lowered[kind].notes
+                            if n.kind != "embedding_pattern"),
                 kv_heads_first=True if options.genai == "windowed" else None,
             )
+        check_kv_encodings(lowered)
+        aimet = merge_encodings(encodings)  # decode and prefill must agree on every tensor they share
+        aimet_text = json.dumps(aimet, separators=(",", ":")) + "\n"
+        log_notes_once([n for g in lowered.values() for n in g.notes])
+        pattern, per_node = _embedding_summary({k: g.notes for k, g in lowered.items()})
+        writing = time.perf_counter()
         (tmp / ENCODINGS_FILE).write_text(aimet_text, encoding="utf-8")
         files["encodings"] = str(out / ENCODINGS_FILE)
         if options.compile:
@@ -361,7 +370,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
         )
         (tmp / "manifest.json").write_text(json.dumps(to_json(manifest), indent=2) + "\n", encoding="utf-8")
         files["manifest"] = str(out / "manifest.json")
-    phases["write"] -= phases["compile"]  # compiled inside the folder being written
+        phases["write"] += time.perf_counter() - writing - phases["compile"]  # compiled inside the folder
     log.debug("export %s: %s", out, ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()),
               extra={"npuq_export_phases": phases})
     return ExportResult(manifest.target.qnn_version, target.qnn_version_source, target.htp_arch, target.soc,
