@@ -197,7 +197,7 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                         "outlier channels; the graph and its ops are unchanged: r1, a randomized Hadamard matrix on "
                         "the residual stream (norm gammas folded into the next linears); r1+r2, also one per "
                         "attention head between v and o (QuaRot/SpinQuant's R1/R2, not learned); none "
-                        "(default: the recipe's: r1 for the built-in 4-bit recipes, none for 8-bit weights)")
+                        "(default: the recipe's: r1 for the built-in 16a8w and 4-bit recipes, none for 16a16w and 8a8w)")
 
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:

@@ -230,19 +230,21 @@ def _examples(layers: Sequence[tuple[str, str]]) -> str:
 
 
 # --------------------------------------------------------------------------- built-ins
-# 4-bit weights come with R1 folded in (docs/design.md §12): on SmolLM2-135M it took 16a4w with
-# SeqMSE + GPTQ from 1.56x to 1.26x float perplexity on the builtin eval split and from 4.09x to
-# 1.90x on prose of another domain (bench/accuracy.py); 8- and 16-bit weights gain too little.
-FOUR_BIT_ROTATION = "r1"
+# 4- and 8-bit weights (16a4w*, 16a8w) come with R1 folded in (docs/design.md §12). On
+# SmolLM2-135M (bench/accuracy.py, builtin eval split / prose of another domain, × float word
+# perplexity): 16a4w + SeqMSE + GPTQ 1.56 / 4.09 → 1.26 / 1.90; 16a8w 1.017 / 1.028 → 1.011 /
+# 1.009. 8a8w and 16a16w were not measured and keep their weights unrotated.
+DEFAULT_ROTATION = "r1"
+ROTATED_BY_DEFAULT = ("16a8w", "16a4w", "16a4w_block")
 RECIPES: dict[str, Recipe] = {
-    name: Recipe(name, rotate=FOUR_BIT_ROTATION if s.weight.bits == 4 else None) for name, s in SCHEMES.items()
+    name: Recipe(name, rotate=DEFAULT_ROTATION if name in ROTATED_BY_DEFAULT else None) for name in SCHEMES
 }
 RECIPES["16a4w_mixed"] = Recipe(
     "16a4w",
     (Rule("16a8w", op="linear", path=r"layers\.\d+\.mlp\.down_proj", priority=1),),
     lm_head="16a8w",
     name="16a4w_mixed",
-    rotate=FOUR_BIT_ROTATION,
+    rotate=DEFAULT_ROTATION,
 )  # docs/design.md §1: 16a4w everywhere, lm head and down projections at 16a8w
 
 DEFAULT_RECIPES = {"smollm2-135m": "16a8w", "gemma3-270m": "16a8w"}
