@@ -14,9 +14,9 @@ does), and each rotation used also gets a float row of its own (same perplexity 
 ~1e-6). ``--set domains`` (default): float, 16a8w, and 16a4w / 16a4w_block / 16a4w_mixed with
 SeqMSE 50 + GPTQ (npuq's defaults for them: quantized layer inputs, act-order) without and with
 each rotation; ``--set recovery``: the recovery methods one by one on the builtin domain's
-recipes; ``--set calibration``: 16a8w (plain and rotated r1), 16a4w and 16a4w_block (rotated
-r1, SeqMSE + GPTQ) calibrated on the builtin calib split alone or half and half with other prose (Milton's Areopagitica, bench/corpora.py;
-never scored). Writes JSON:
+recipes; ``--set calibration``: 16a8w (plain and rotated r1), 16a4w, 16a4w_block and
+16a4w_mixed (rotated r1, SeqMSE + GPTQ) calibrated on the builtin calib split alone or half
+and half with other prose (Milton's Areopagitica, bench/corpora.py; never scored). Writes JSON:
 
     .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 2048] [--eval-tokens 4096] [--out FILE]
 """
@@ -96,7 +96,7 @@ CALIBRATION_CONFIGS += [config(f"16a8w, rotated r1, calibrated on {c}", "16a8w",
                         for c in ("builtin", MIX)]
 CALIBRATION_CONFIGS += [config(f"{r} + SeqMSE + GPTQ, rotated r1, calibrated on {c}", r, 50, rounding="gptq",
                                inputs="quantized", act_order=True, rotate="r1", calib=c)
-                        for r in ("16a4w", "16a4w_block") for c in ("builtin", MIX)]
+                        for r in ("16a4w", "16a4w_block", "16a4w_mixed") for c in ("builtin", MIX)]
 SETS = {"domains": DOMAIN_CONFIGS, "recovery": CONFIGS, "calibration": CALIBRATION_CONFIGS}
 
 
