@@ -38,7 +38,8 @@ from npuq.data import load_corpus
 from npuq.eval.perplexity import evaluate_perplexity
 from npuq.models import load_model
 from npuq.quantize.pt2e import fold_constant_dequant, quantize_model
-from npuq.quant.recipe import load_recipe
+from npuq.quant.recipe import ROTATIONS, load_recipe
+from npuq.quantize.stage import ROTATION_SEED
 from npuq.data.corpora import corpus_tokens
 from npuq.optimize.recovery import optimize_for_recipe
 from npuq.optimize.rotate import rotate_model
@@ -50,14 +51,12 @@ from corpora import calibration_prose_file, prose_file  # noqa: E402  (bench/cor
 
 def config(label: str, recipe: str, seq_mse: int | None = None, granularity: str = "channel", rounding: str = "nearest",
            inputs: str = "float", act_order: bool = False, rotate: str | None = None, calib: str = "builtin") -> dict:
-    assert rotate in ROTATIONS, rotate
+    assert rotate is None or rotate in ROTATIONS, rotate
     return {"config": label, "recipe": recipe, "seq_mse": seq_mse, "granularity": granularity if seq_mse else None,
             "rounding": rounding, "layer_inputs": inputs, "act_order": act_order if rounding == "gptq" else None,
             "rotate": rotate, "calib": calib}
 
 
-ROTATIONS = {None: None, "r1": dict(r1=True, r2=False), "r1+r2": dict(r1=True, r2=True)}  # rotate → rotate_model flags
-ROTATION_SEED = 0
 
 
 DOMAIN_CONFIGS = [config("16a8w", "16a8w")]
@@ -125,7 +124,8 @@ def main() -> None:
         if rotate is None:
             return None
         if rotate not in rotated:
-            report = rotate_model(model, seed=ROTATION_SEED, **ROTATIONS[rotate])
+            r1, r2 = ROTATIONS[rotate]
+            report = rotate_model(model, seed=ROTATION_SEED, r1=r1, r2=r2)  # as npuq quantize --rotate does
             rotated[rotate] = ({k: v.clone() for k, v in model.state_dict().items()}, model.config,
                                dataclasses.asdict(report))
         state, cfg, report = rotated[rotate]

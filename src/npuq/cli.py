@@ -158,7 +158,7 @@ def _export_options(args: argparse.Namespace) -> Any:
 
 def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     """What to quantize and how, shared by ``quantize`` and ``run``."""
-    from npuq.quant.recipe import RECIPES, ROTATIONS
+    from npuq.quant.recipe import RECIPES, ROTATE_CHOICES
     from npuq.quant.schemes import SCHEMES
 
     p.add_argument("--scheme", choices=list(SCHEMES), metavar="S",
@@ -192,7 +192,7 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-inputs", choices=("float", "quantized"), default=None,
                    help="inputs SeqMSE and GPTQ fit each layer to: the quantized model's own, block by block, so "
                         "each layer sees the rounding of all before it (default), or the float model's (one forward)")
-    p.add_argument("--rotate", choices=("none", *ROTATIONS), default=None,
+    p.add_argument("--rotate", choices=ROTATE_CHOICES, default=None,
                    help="fold rotations into the float weights before calibration, so 4-bit weight grids meet no "
                         "outlier channels; the graph and its ops are unchanged: r1, a randomized Hadamard matrix on "
                         "the residual stream (norm gammas folded into the next linears); r1+r2, also one per "

@@ -72,9 +72,9 @@ def _logit_differences(folders):
     loaded = load_model(str(folders / "model"))  # RoPE tables over every position, as quantize builds them
     rotation = json.loads((folders / "art" / "config.json").read_text()).get("rotation")
     if rotation:  # the noise model reads each constant against its float weight: in the artifact's basis
-        from npuq.optimize.rotate import rotate_model
+        from npuq.optimize.rotate import rotate_as
 
-        rotate_model(loaded.model, seed=rotation["seed"], r1=rotation["r1"], r2=rotation["r2"])
+        rotate_as(loaded.model, rotation)
     docs = tokenize_documents(loaded.tokenizer, load_corpus("builtin", "eval"), max_tokens=300)
     windows = document_windows([d.tokens for d in docs], prefix_token_id(loaded.tokenizer), 32)
     qm = load_artifact(folders / "art", fold_constants=False)  # q/dq nodes kept

@@ -41,15 +41,14 @@ from npuq.lower.aimet import FORMAT_VERSION as AIMET_VERSION
 from npuq.lower.aimet import graph_encodings, merge_encodings
 from npuq.lower.compile import check_can_compile, compile_contexts
 from npuq.lower import genai
-from npuq.lower.manifest import (EXPORT_FORMAT, ArtifactRef, EncodingsFile, GraphEntry, LoweringChoices, Manifest,
-                                 TargetInfo, TokenizerRef)
+from npuq.lower.manifest import (EXPORT_FORMAT, GENAI_CACHES, KV_PREFIXES, ArtifactRef, EncodingsFile, GraphEntry,
+                                 LoweringChoices, Manifest, TargetInfo, TokenizerRef)
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.quantize.artifact import load_program, program_path, read_artifact
 from npuq.records import from_json, optional_key, to_json
 
-KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")
 ENCODINGS_FILE = "encodings.json"  # AIMET 1.0.0 (the artifact's npuq-internal encodings.json is another format)
 PROTOBUF_LIMIT = 1_800_000_000  # bytes; larger models keep their weights in an external file
 # Where an export's time goes, logged (DEBUG, logger npuq.lower.export) with the record
@@ -187,7 +186,7 @@ class ExportOptions:
         if self.compile and self.htp_arch is None and self.soc is None:
             raise NpuqError("--compile needs the target chip, since a QNN context binary runs on one HTP "
                             "architecture only: add --soc NAME (e.g. SM8650) or --htp-arch A (68, 69, 73, 75, 79, 81)")
-        if self.genai is not None and self.genai not in genai.CACHES:
+        if self.genai is not None and self.genai not in GENAI_CACHES:
             raise NpuqError(f"--genai {self.genai!r:.40}: choose windowed (onnxruntime-genai's NPU cache, uint8 KV) "
                             "or shared (its CPU provider's cache)")
         if self.qnn_version is not None:
@@ -286,10 +285,11 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                 del program
                 encodings[kind] = graph_encodings(g.model)
                 if options.genai:
-                    genai.check_io(cfg, kind, [s.entry() for s in g.inputs + g.outputs], options.genai)
-                if options.genai == "windowed":  # the runtime's cache layout (batch 1: the same bytes)
-                    genai.heads_first(g.model, [s.entry() for s in g.inputs + g.outputs])
-                    g.inputs, g.outputs = _heads_first(g.inputs), _heads_first(g.outputs)
+                    entries = [s.entry() for s in g.inputs + g.outputs]
+                    genai.check_io(cfg, kind, entries, options.genai)
+                    if options.genai == "windowed":  # the runtime's cache layout (batch 1: the same bytes)
+                        genai.heads_first(g.model, entries)
+                        g.inputs, g.outputs = genai.heads_first_specs(g.inputs), genai.heads_first_specs(g.outputs)
             with _timed(phases, "serialize"):
                 blob = _serialize(g.model)  # None: too big for one protobuf file, saved with external data
             # Before writing: this graph (its serialized size is exact; external data holds the same
@@ -379,12 +379,6 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                         compile_seconds=round(phases["compile"], 3) if compiled else None,
                         share_weights=True if compiled and compiled.share_weights else None,
                         genai=options.genai)
-
-
-def _heads_first(specs: list) -> list:
-    """The KV-cache specs declared [KV, 1, ...] (npuq.lower.genai.heads_first), the rest as they are."""
-    return [dataclasses.replace(s, shape=(s.shape[1], s.shape[0], *s.shape[2:])) if is_kv(s.name) else s
-            for s in specs]
 
 
 def _tokenizer(config) -> Any:

@@ -30,6 +30,7 @@ Two cache contracts (the value of ``--genai``):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,12 +40,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from npuq.errors import NpuqError
-from npuq.lower.manifest import GenaiFolder, GraphEntry, IOEntry
+from npuq.lower.manifest import KV_PREFIXES, GenaiFolder, GraphEntry, IOEntry
 from npuq.models.config import ModelConfig
 from npuq.models.decoder import MASK_VALUE
 
-CACHES = ("windowed", "shared")
-KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")
 RUNTIME = "onnxruntime-genai 0.18"
 VERIFIED = {"shared": "onnxruntime-genai 0.18 on the CPU provider (npuq's tests)",
             "windowed": "reference driver of the windowed cache on ONNX Runtime (CPU); onnxruntime-genai selects "
@@ -77,9 +76,8 @@ def check_window(context: int, window: int) -> None:
 
 
 def check_io(cfg: ModelConfig, kind: str, specs: Sequence[IOEntry], cache: str) -> None:
-    """Refuse a graph whose inputs and outputs the cache contract cannot feed (names the fix)."""
-    if cache not in CACHES:
-        raise NpuqError(f"--genai {cache!r:.40}: choose {' or '.join(CACHES)}")
+    """Refuse a graph whose inputs and outputs the cache contract (one of
+    manifest.GENAI_CACHES, checked by ExportOptions) cannot feed (names the fix)."""
     names = {s.name: s for s in specs}
     for name in ("tokens", "mask", "positions", "logits", "k_cache_0", "v_cache_0", "k_new_0", "v_new_0"):
         if name not in names:
@@ -118,7 +116,8 @@ def heads_first(model: onnx.ModelProto, specs: Sequence[IOEntry]) -> None:
     """Declare the KV-cache inputs and outputs [KV, 1, ...] (the windowed runtime's layout), in
     place. With batch 1 that is the same bytes as npuq's [1, KV, ...]: the graph reshapes at its
     edge, in the QDQ form the QNN HTP backend takes as one quantized op (DequantizeLinear →
-    Reshape → QuantizeLinear, with the cache's own encoding)."""
+    Reshape → QuantizeLinear, with the cache's own encoding). ``specs`` passed :func:`check_io`
+    for the windowed contract: every KV tensor is quantized per tensor."""
     g = model.graph
     specs = {s.name: s for s in specs if s.name.startswith(KV_PREFIXES)}
     graph_inputs = {v.name for v in g.input}
@@ -128,8 +127,6 @@ def heads_first(model: onnx.ModelProto, specs: Sequence[IOEntry]) -> None:
         if spec is None:
             continue
         enc = spec.encoding
-        if enc is None or np.ndim(enc.scale) or np.ndim(enc.zero_point):
-            raise NpuqError(f"{value.name}: --genai windowed needs per-tensor quantized KV codes")
         dims = value.type.tensor_type.shape.dim
         shape = [d.dim_value for d in dims]
         if shape[0] != 1:
@@ -155,6 +152,12 @@ def heads_first(model: onnx.ModelProto, specs: Sequence[IOEntry]) -> None:
     body = list(g.node)
     del g.node[:]
     g.node.extend(head + body + tail)  # still in topological order
+
+
+def heads_first_specs(specs: list) -> list:
+    """The writer's I/O specs as :func:`heads_first` declares them: KV caches [KV, 1, ...]."""
+    return [dataclasses.replace(s, shape=(s.shape[1], s.shape[0], *s.shape[2:])) if s.name.startswith(KV_PREFIXES)
+            else s for s in specs]
 
 
 # --------------------------------------------------------------------------- stage graphs

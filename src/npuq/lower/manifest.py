@@ -19,6 +19,9 @@ from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
 from npuq.records import optional_key
 
+KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")  # the KV-cache inputs and outputs of both graphs
+GENAI_CACHES = ("windowed", "shared")  # the KV-cache contracts of an onnxruntime-genai folder (npuq.lower.genai)
+
 EXPORT_FORMAT = "npuq-export/1"
 IO_DTYPES = ("float32", "float16", "int64", "int32", "int16", "uint16", "int8", "uint8", "bool")
 
@@ -185,8 +188,8 @@ class GenaiFolder:
     verified: str  # where npuq checked it runs
 
     def __post_init__(self) -> None:
-        if self.cache not in ("windowed", "shared"):
-            raise NpuqError(f"genai cache {self.cache!r:.40} is not windowed or shared")
+        if self.cache not in GENAI_CACHES:
+            raise NpuqError(f"genai cache {self.cache!r:.40} is not {' or '.join(GENAI_CACHES)}")
         if not self.stages or not self.config:
             raise NpuqError("the genai record lists no config or no stages")
 

@@ -84,7 +84,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["RotationReport", "hadamard_matrix", "random_orthogonal", "rotation_matrix", "rotate_model"]
+__all__ = ["RotationReport", "hadamard_matrix", "random_orthogonal", "rotation_matrix", "rotate_model", "rotate_as"]
 
 _ROW_CHUNK = 8192  # rows of the embedding table / lm head rotated at a time (float64 copies stay small)
 
@@ -310,3 +310,9 @@ def rotate_model(model: nn.Module, *, seed: int = 0, r1: bool = True, r2: bool =
         seed=int(seed), r1=do_r1, r2=bool(r2), r1_matrix=r1_how, r2_matrix=r2_how, r1_skipped=r1_skipped,
         folded_norms=folded, rotated_linears=len(rotated), untied=untied, seconds=time.perf_counter() - start,
     )
+
+
+def rotate_as(model: nn.Module, record: dict) -> RotationReport:
+    """Fold into ``model`` the rotations a :class:`RotationReport` (as recorded in an artifact's
+    config.json) says were folded: the same seed and choices give the same matrices."""
+    return rotate_model(model, seed=record["seed"], r1=record["r1"], r2=record["r2"])

@@ -251,9 +251,9 @@ class Job:
 
         rotation = read_artifact(self.folders["quantize"] / "artifact").rotation
         if rotation and not self._rotated:
-            from npuq.optimize.rotate import rotate_model
+            from npuq.optimize.rotate import rotate_as
 
-            rotate_model(self.loaded.model, seed=rotation["seed"], r1=rotation["r1"], r2=rotation["r2"])
+            rotate_as(self.loaded.model, rotation)
             self._rotated = True
         return self.loaded.model
 

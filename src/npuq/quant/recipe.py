@@ -44,6 +44,7 @@ OP_KINDS = (
 )
 EMBEDDING_MODES = ("shared", "pcq8", "pcq4")
 ROTATIONS = {"r1": (True, False), "r1+r2": (True, True)}  # rotate → (R1, R2) of npuq.optimize.rotate.rotate_model
+ROTATE_CHOICES = ("none", *ROTATIONS)  # --rotate
 LM_HEAD_PATH = "lm_head"
 
 

@@ -18,13 +18,12 @@ from npuq.data.corpora import corpus_tokens
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
 from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
-from npuq.quant.recipe import ROTATIONS
+from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS
 from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.workloads import windows_per_forward
 
 GRANULARITIES = ("channel", "layer")
-ROTATE_CHOICES = ("none", *ROTATIONS)  # --rotate
 ROTATION_SEED = 0  # the random signs of the Hadamard matrices: fixed, so a rerun quantizes alike
 
 
