@@ -14,7 +14,7 @@ from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.lower import genai
 from npuq.lower.export import ExportOptions, export_artifact, read_manifest
-from npuq.lower.ort import cpu_session
+from npuq.lower.ort import cpu_session, htp_session, qnn_available
 from npuq.models.tiny import save_tiny_hf_folder
 
 INSTALL = "onnxruntime-genai is not installed: pip install 'npuq[genai]' (onnxruntime-genai==0.18.0)"
@@ -46,6 +46,10 @@ def folders(tmp_path_factory):
     export_artifact(out["kv16"], out["shared"], ExportOptions(qnn_version="2.51", htp_arch=73, genai="shared"))
     out["windowed"] = root / "windowed"
     export_artifact(out["kv8"], out["windowed"], ExportOptions(qnn_version="2.51", htp_arch=73, genai="windowed"))
+    if qnn_available() is None:  # the windowed folder with QNN HTP contexts of its graphs (--compile)
+        out["compiled"] = root / "compiled"
+        export_artifact(out["kv8"], out["compiled"], ExportOptions(qnn_version="2.51", htp_arch=73, genai="windowed",
+                                                                    compile=True))
     out["model"] = model
     return out
 
@@ -123,9 +127,13 @@ class WindowedDriver:
       T tokens (W for the prompt, then 1), right-aligned, empty slots holding pad_value; after a call
       its outputs [.., T] are appended at the right and the oldest entries dropped (between prompt
       windows the runtime shifts by W; at the switch to token generation it keeps the last ctx - 1).
-      Here each layer keeps the last ctx entries and a call reads the last ctx - T of them."""
+      Here each layer keeps the last ctx entries and a call reads the last ctx - T of them.
 
-    def __init__(self, folder):
+    Each stage runs where genai_config.json puts it (its own session options, else the decoder's):
+    on the QNN provider, the HTP emulator with that HTP arch; otherwise (or with ``cpu_only``,
+    to run the same folder's stages on the CPU) the exact CPU session."""
+
+    def __init__(self, folder, cpu_only=False):
         self.folder = folder
         config = json.loads((folder / "genai_config.json").read_text())["model"]
         self.ctx, self.pad_id = config["context_length"], config["pad_token_id"]
@@ -136,7 +144,14 @@ class WindowedDriver:
         assert window["alignment"] == "right" and window["slide_inputs"] and window["slide_key_value_cache"]
         self.W, self.pad = window["window_size"], window["pad_value"]
         self.stages = [next(iter(s.items())) for s in dec["pipeline"]]
-        self.sessions = {f: cpu_session(folder / s["filename"]) for f, s in self.stages}
+        self.sessions = {}
+        for name, stage in self.stages:
+            providers = stage.get("session_options", dec["session_options"])["provider_options"]
+            qnn = next((p["qnn"] for p in providers if "qnn" in p), None)
+            path = folder / stage["filename"]
+            use_htp = qnn is not None and not cpu_only
+            self.sessions[name] = htp_session(path, int(qnn["htp_arch"])) if use_htp else cpu_session(path)
+        self.logits = []  # the last position's logits of every call
         kv, d = dec["num_key_value_heads"], dec["head_size"]
         self.k = [np.full((kv, 1, d, self.ctx), self.pad, np.uint8) for _ in range(self.layers)]
         self.v = [np.full((kv, 1, self.ctx, d), self.pad, np.uint8) for _ in range(self.layers)]
@@ -163,7 +178,8 @@ class WindowedDriver:
             assert k_new.shape[-1] == T and v_new.shape[-2] == T
             self.k[i] = np.concatenate([self.k[i][..., T:], k_new], axis=-1)
             self.v[i] = np.concatenate([self.v[i][:, :, T:], v_new], axis=-2)
-        return values[self.present["logits"]][0, -1]
+        self.logits.append(values[self.present["logits"]][0, -1])
+        return self.logits[-1]
 
     def generate(self, prompt_ids, n):
         pads = -len(prompt_ids) % self.W
@@ -190,9 +206,33 @@ def test_windowed_folder_under_the_reference_driver(folders, tmp_path):
         ids = _prompt_ids(folders, prompt)
         n = _new_tokens(len(ids))
         want = _npuq_generate(folders["windowed"], prompt, tmp_path, n)
-        driver = WindowedDriver(folders["windowed"])
+        driver = WindowedDriver(folders["windowed"], cpu_only=True)
         got = driver.generate(ids, len(want))
         assert len(want) >= 2 and got == want, prompt
+
+
+def test_compiled_windowed_folder_runs_its_contexts_on_the_htp(folders):
+    """--genai windowed --compile: genai_config.json puts the graphs on the QNN HTP provider and
+    names their compiled contexts; driven through the windowed cache, those contexts run on the
+    HTP emulator and give the logits of the folder's QDQ graphs run there, bit for bit, at every
+    call. (The HTP's own arithmetic differs from the exact CPU graphs by a code here and there,
+    test_lower_htp, so its tokens are compared with the QDQ graphs on the same backend.)"""
+    if "compiled" not in folders:
+        pytest.skip(str(qnn_available()))
+    folder = folders["compiled"]
+    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+    assert config["session_options"]["provider_options"] == [{"qnn": {"backend_type": "htp", "htp_arch": "73"}}]
+    files = [next(iter(s.values()))["filename"] for s in config["pipeline"]]
+    assert files == ["genai_mask_prefill.onnx", "prefill_ctx.onnx", "genai_mask_decode.onnx", "decode_ctx.onnx"]
+    assert read_manifest(folder).genai.stages == tuple(files)
+    for prompt in PROMPTS[:2]:
+        ids = _prompt_ids(folders, prompt)
+        on_contexts, on_graphs = WindowedDriver(folder), WindowedDriver(folder)
+        for name in ("prefill", "decode"):  # the QDQ graphs in place of their contexts
+            on_graphs.sessions[f"{name}_ctx"] = htp_session(folder / f"{name}.onnx", 73)
+        assert on_contexts.generate(ids, 4) == on_graphs.generate(ids, 4)
+        assert len(on_contexts.logits) == len(on_graphs.logits)
+        assert all(np.array_equal(x, y) for x, y in zip(on_contexts.logits, on_graphs.logits))
 
 
 def test_windowed_graphs_keep_the_npuq_graphs_outputs(folders, tmp_path):

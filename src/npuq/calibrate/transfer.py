@@ -134,6 +134,10 @@ def _consumers(gm: GraphModule, obs_node: Node) -> set[Node]:
     return found
 
 
+def _format(observer: torch.nn.Module) -> tuple:
+    return tuple(getattr(observer, a, None) for a in ("dtype", "quant_min", "quant_max", "qscheme"))
+
+
 def pair_observers(src: GraphModule, dst: GraphModule) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
     """(source observer, destination observer) instance pairs covering every dst observer."""
     mapping = align(src, dst)
@@ -155,6 +159,8 @@ def pair_observers(src: GraphModule, dst: GraphModule) -> list[tuple[torch.nn.Mo
         if len(cands) > 1:
             want = {mapping.get(u) for u in _consumers(dst, obs)}
             cands = [c for c in cands if _consumers(src, c) & want]
+        if len(cands) > 1:  # one tensor observed in two formats (a requantization): pick the same format
+            cands = [c for c in cands if _format(_observer(src, c)) == _format(d_mod)]
         if len(cands) != 1:
             raise GraphMismatch(f"observer {obs.name} of {node.name} has {len(cands)} candidate source observers")
         s_mod = _observer(src, cands[0])

@@ -341,7 +341,11 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                 files[f"{kind}_ctx"], files[f"{kind}_ctx_bin"] = str(out / c.file), str(out / c.binary)
         genai_record = None
         if options.genai:
-            genai_record = genai.write_folder(tmp, cfg, config.context, options.genai, graphs, tokenizer)
+            contexts = None
+            if compiled is not None and not compiled.share_weights:  # weight-shared contexts: device only, not wired
+                contexts = {kind: c.file for kind, c in compiled.graphs.items()}
+            genai_record = genai.write_folder(tmp, cfg, config.context, options.genai, graphs, tokenizer, contexts,
+                                              target.htp_arch)
             files["genai_config"] = str(out / genai_record.config)
         model_info = config.model
         manifest = Manifest(

@@ -17,8 +17,9 @@ Two cache contracts (the value of ``--genai``):
   only, padded with ``pad_value``, and copies each window's outputs in; this is the path it
   takes on a Qualcomm NPU (QNN HTP device). npuq's graphs take that layout directly: with
   batch 1, [KV, 1, ...] and npuq's [1, KV, ...] are the same bytes, so the export declares the
-  cache I/O as [KV, 1, ...] and reshapes at the graph's edge (free). Only the mask stages run
-  beside them.
+  cache I/O as [KV, 1, ...] and reshapes at the graph's edge (free). genai_config.json puts
+  the graphs on the QNN HTP provider (their compiled contexts when exported with --compile);
+  only the mask stages run beside them, on the CPU.
 - ``shared``: what the runtime does with the same model type on the CPU provider: one buffer
   [1, KV, ctx, D] per layer for K and for V, passed as input and written back as output, which
   the graphs must shift themselves. Stages ``genai_in_<graph>`` (mask, then each cache's last
@@ -46,8 +47,8 @@ from npuq.models.decoder import MASK_VALUE
 
 RUNTIME = "onnxruntime-genai 0.18"
 VERIFIED = {"shared": "onnxruntime-genai 0.18 on the CPU provider (npuq's tests)",
-            "windowed": "reference driver of the windowed cache on ONNX Runtime (CPU); onnxruntime-genai selects "
-                        "this cache on a QNN HTP device only"}
+            "windowed": "reference driver of the windowed cache on ONNX Runtime (CPU, and the QNN HTP emulator for "
+                        "compiled contexts); onnxruntime-genai selects this cache on a QNN HTP device only"}
 CONFIG_FILE = "genai_config.json"
 OPSET = 21
 ATTENTION_MASK = "attention_mask"
@@ -293,17 +294,31 @@ def _names(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
     return [v.name for v in model.graph.input], [v.name for v in model.graph.output]
 
 
+def npu_session_options(htp_arch: int | None) -> dict[str, Any]:
+    """Session options that put a windowed folder's graphs on the QNN HTP: the backend by type
+    (the library is QnnHtp.dll on Windows, libQnnHtp.so on Android) and, when known, the HTP
+    architecture a compiled context was built for (docs/design.md §10)."""
+    qnn = {"backend_type": "htp"}
+    if htp_arch is not None:
+        qnn["htp_arch"] = str(htp_arch)
+    return {"log_id": "npuq", "provider_options": [{"qnn": qnn}]}
+
+
 def pipeline_config(cfg: ModelConfig, context: int, cache: str, graphs: dict[str, GraphEntry],
-                    stages: dict[str, onnx.ModelProto], tokenizer_ids: dict[str, Any]) -> dict[str, Any]:
-    """genai_config.json for the stages (file name → model) and npuq's graphs."""
+                    stages: dict[str, onnx.ModelProto], tokenizer_ids: dict[str, Any],
+                    contexts: dict[str, str] | None = None, htp_arch: int | None = None) -> dict[str, Any]:
+    """genai_config.json for the stages (file name → model) and npuq's graphs. ``windowed``:
+    the graphs run on the QNN HTP (the compiled contexts ``contexts[kind]`` instead of the QDQ
+    graphs when the export has them); ``shared``: everything on the CPU."""
     window = graphs["prefill"].ar_len
     cpu = {"provider_options": []}
+    contexts = contexts if cache == "windowed" and contexts else {}
     pipeline = []
     for kind, prompt in (("prefill", True), ("decode", False)):
         entry = graphs[kind]
         before = f"genai_{'mask' if cache == 'windowed' else 'in'}_{kind}.onnx"
         steps = [(before, stages[before], cpu)]
-        steps.append((entry.file, None, None))
+        steps.append((contexts.get(kind, entry.file), None, None))
         if cache == "shared":
             after = f"genai_out_{kind}.onnx"
             steps.append((after, stages[after], cpu))
@@ -326,7 +341,8 @@ def pipeline_config(cfg: ModelConfig, context: int, cache: str, graphs: dict[str
     if cache == "windowed":
         sliding["pad_value"] = pad_value(graphs)
     decoder = {
-        "session_options": {"log_id": "npuq", "provider_options": [], **EXACT},
+        "session_options": (npu_session_options(htp_arch) if cache == "windowed"
+                            else {"log_id": "npuq", "provider_options": [], **EXACT}),
         "head_size": cfg.head_dim, "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads,
         "num_hidden_layers": cfg.num_layers, "num_key_value_heads": cfg.num_kv_heads,
         "inputs": {"input_ids": "tokens", "position_ids": "positions", "attention_mask": ATTENTION_MASK,
@@ -362,9 +378,10 @@ def token_ids(cfg: ModelConfig, tokenizer: Any) -> dict[str, int]:
 
 
 def write_folder(folder: Path, cfg: ModelConfig, context: int, cache: str, graphs: dict[str, GraphEntry],
-                 tokenizer: Any) -> GenaiFolder:
+                 tokenizer: Any, contexts: dict[str, str] | None = None, htp_arch: int | None = None) -> GenaiFolder:
     """Write the stages, the tokenizer and genai_config.json into ``folder`` (the export being
-    written, beside npuq's graphs); returns the manifest's record of them."""
+    written, beside npuq's graphs); returns the manifest's record of them. ``contexts``: the
+    compiled context of each graph (--compile), which a windowed folder's pipeline runs."""
     stages: dict[str, onnx.ModelProto] = {}
     for kind, entry in graphs.items():
         if cache == "windowed":
@@ -384,7 +401,7 @@ def write_folder(folder: Path, cfg: ModelConfig, context: int, cache: str, graph
     if "tokenizer.json" not in written:
         raise NpuqError("--genai: the model's tokenizer has no fast (tokenizer.json) form, which onnxruntime-genai "
                         "reads; export without --genai")
-    config = pipeline_config(cfg, context, cache, graphs, stages, token_ids(cfg, tokenizer))
+    config = pipeline_config(cfg, context, cache, graphs, stages, token_ids(cfg, tokenizer), contexts, htp_arch)
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     order = tuple(next(iter(stage.values()))["filename"] for stage in config["model"]["decoder"]["pipeline"])
     return GenaiFolder(config=CONFIG_FILE, cache=cache, model_type="decoder-pipeline", window=graphs["prefill"].ar_len,

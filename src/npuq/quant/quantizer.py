@@ -15,7 +15,9 @@ What each op gets (docs/design.md §1; "act" is the activation format of the op'
     KV cache        cache input and cache concat take the new entries' encoding (derived from
                     their observer; cache contents are never observed), so KV input encoding =
                     KV output encoding by construction; kv_bits 8 makes the K/V path
-                    (RoPE output for K, V projection for V) uint8 symmetric
+                    uint8 symmetric: the RoPE add's output for K; for V, the view after the V
+                    projection requantizes its 16-bit output to uint8 (the HTP has no
+                    FullyConnected/MatMul with 16-bit input and 8-bit output, docs/design.md §1)
 
 Which scheme an op gets is the recipe's decision (:mod:`npuq.quant.recipe`), by op kind and
 module path from ``node.meta["nn_module_stack"]``.
@@ -64,6 +66,7 @@ class HtpQuantizer(Quantizer):
         kv_roots = set(g.kv_output_roots(model, self.num_layers))
         default_act = self.recipe.scheme.activation
         out_fmt: dict[Node, TensorFormat] = {}  # the activation format each annotated node produces
+        requant: dict[Node, TensorFormat] = {}  # nodes whose consumers requantize their output to this format
 
         for node in model.graph.nodes:
             if node.op != "call_function" or node.target in g.IGNORED:
@@ -77,14 +80,19 @@ class HtpQuantizer(Quantizer):
                     # Only views of encoded tensors (or of graph inputs) are encoded: a view of a
                     # float RMSNorm internal stays float inside that op.
                     if src in out_fmt or (isinstance(src, Node) and src.op == "placeholder" and g.is_float_tensor(src)):
-                        fmt = out_fmt.get(src, default_act)
+                        fmt = requant.get(src) or out_fmt.get(src, default_act)
                         _annotate(node, {src: activation_spec(fmt)}, SharedQuantizationSpec((src, node)))
                         out_fmt[node] = fmt
                 continue
 
             scheme = self.plan.scheme_of(g.module_path(node), kind)
             act = scheme.activation
-            out = UINT8_SYM if (node in kv_roots and self.recipe.kv_bits == 8) else act
+            out = act
+            if node in kv_roots and self.recipe.kv_bits == 8:
+                if kind in ("linear", "matmul") and act.bits > 8:
+                    requant[node] = UINT8_SYM  # its 16-bit output is requantized by the next view
+                else:
+                    out = UINT8_SYM
             out_spec = activation_spec(out)
             float_args = [a for a in node.args if g.is_float_tensor(a)]
 
