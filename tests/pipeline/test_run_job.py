@@ -75,6 +75,20 @@ def test_second_run_reuses_every_stage_and_export_options_redo_only_the_export(f
     assert json.loads((out / "onnx" / "manifest.json").read_text())["options"]["embedding_storage"] == "int8-rowscale"
 
 
+def test_a_run_without_a_target_chip_says_so_first(first_run, inputs, capsys):
+    out, _ = first_run
+    capsys.readouterr()
+    assert main(argv(inputs, out)) == 0
+    assert "no target chip" not in capsys.readouterr().err
+    base = argv(inputs, out)
+    i = base.index("--htp-arch")
+    assert main(base[:i] + base[i + 2:]) == 0
+    err = capsys.readouterr().err
+    assert "no target chip (--soc / --htp-arch)" in err and "--soc SM8650" in err
+    assert err.index("no target chip") < err.index("quantize")  # before any stage's work
+    assert main(argv(inputs, out)) == 0  # the next test's starting point: the run with the target
+
+
 # An alternative value for every ExportOptions field; the test fails for a field missing here.
 EXPORT_CHANGES = {"qnn_version": "2.47", "htp_arch": "75", "soc": "SM8650", "embedding_pattern": "legacy",
                   "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True, "genai": "shared"}

@@ -319,6 +319,11 @@ class Job:
         if self.run.interrupted is not None:
             self.say(f"npuq run: the previous run in {self.out} was interrupted (stage "
                      f"{self.run.interrupted.get('stage') or 'between stages'}); finished stages are reused")
+        if self.options.export.htp_arch is None and self.options.export.soc is None:
+            self.say("npuq run: no target chip (--soc / --htp-arch): the export will lower the attention MatMuls' "
+                     "second inputs at 8 bits, which every HTP accepts, so the exported graphs will not have the "
+                     "quantized model's numerics (Qwen2.5-Coder-0.5B: 1.07x its perplexity); pass --soc of your "
+                     "chip (e.g. --soc SM8650) to export what you measured")
         base = {"npuq": __version__, "model": model_identity(self.options.model)}
         self.stage("model", base, lambda _folder: self.loaded.info())
         self.threads(base)
