@@ -230,6 +230,8 @@ def quantize_model(
     converted = convert(prepared)
     decode = specialize(converted, example_inputs(cfg, "decode", context))
     prefill = specialize(converted, example_inputs(cfg, "prefill", context, prefill_len))
+    del graph, prepared, converted
+    forget_graphs()
     done = time.perf_counter()
     stats = {
         "scheme": recipe.default,
@@ -248,6 +250,24 @@ def quantize_model(
         "batch_size": batch_size if mode == "onepass" else 1,
     }
     return QuantizedModel(cfg, context, prefill_len, decode, prefill, encodings, recipe, quantizer.plan, stats)
+
+
+def forget_graphs() -> None:
+    """Drop the references that torch and torchao keep, at module level, to the graphs of the
+    last export and prepare: ``assert_and_get_unique_device`` is an unbounded lru_cache keyed by
+    the module it was asked about, and torch.export keeps a map to the nodes of its last trace.
+    Without this the exported and prepared graphs, and the weights they hold, outlive the
+    quantize stage (found on Qwen2.5-Coder-0.5B: `npuq run` kept about one fp32 copy of the model
+    after quantize; three GraphModules reachable only from these caches)."""
+    import torchao.utils
+    from torch.ao.quantization.fx import utils as fx_utils
+    from torch.fx.experimental import proxy_tensor
+
+    for cached in (getattr(torchao.utils, "_assert_and_get_unique_device", None),
+                   getattr(fx_utils, "assert_and_get_unique_device", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
 
 
 _QUANT_OPS = (torch.ops.quantized_decomposed.quantize_per_tensor.default,
