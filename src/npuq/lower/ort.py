@@ -49,18 +49,23 @@ def _model_arg(model) -> str | bytes:
     return model.SerializeToString()
 
 
-_arena_registered = False
+_arena_registered: bool | None = None  # None: not tried yet
 
 
-def _shared_arena(ort) -> None:
+def _shared_arena(ort) -> bool:
     """Register one CPU arena for every session of the process that asks for it, growing by
-    what is requested (ONNX Runtime's default rounds each extension up to a power of two)."""
+    what is requested (ONNX Runtime's default rounds each extension up to a power of two).
+    False where this ONNX Runtime cannot: its sessions then keep their own arenas."""
     global _arena_registered
-    if not _arena_registered:
-        cfg = ort.OrtArenaCfg(0, 1, -1, -1)  # no limit, kSameAsRequested, default chunk sizes
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        ort.create_and_register_allocator(info, cfg)
-        _arena_registered = True
+    if _arena_registered is None:
+        try:
+            cfg = ort.OrtArenaCfg(0, 1, -1, -1)  # no limit, kSameAsRequested, default chunk sizes
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, cfg)
+            _arena_registered = True
+        except Exception:  # noqa: BLE001  (an older or other build of ONNX Runtime: memory, not correctness)
+            _arena_registered = False
+    return _arena_registered
 
 
 def cpu_session(model, threads: int = 1):
@@ -74,12 +79,12 @@ def cpu_session(model, threads: int = 1):
     9.5 -> 7.4 GB and 2.72 -> 2.16 GB (with the decode graph opened only when called,
     :func:`load_export`), at the same speed."""
     ort = _ort()
-    _shared_arena(ort)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.intra_op_num_threads = threads
     so.enable_mem_pattern = False
-    so.add_session_config_entry("session.use_env_allocators", "1")
+    if _shared_arena(ort):
+        so.add_session_config_entry("session.use_env_allocators", "1")
     so.log_severity_level = 3
     return ort.InferenceSession(_model_arg(model), so, providers=["CPUExecutionProvider"])
 
