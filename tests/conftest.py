@@ -1,20 +1,29 @@
-"""Suite-wide setup: npuq's cache (GGUF metadata, thread tuning) goes to a fresh temporary folder;
+"""Suite-wide setup: npuq's cache (GGUF metadata, thread tuning) goes to a fresh temporary folder,
+removed when the session ends;
 Ctrl-C reaches the suite and its child processes as in a terminal; torch runs on one intra-op
 thread and every test starts from its global RNG seeded 0; the tiny artifact and export folders
 the reader tests start from."""
 
 import os
+import shutil
 import signal
 import tempfile
 
 import pytest
 
-os.environ["NPUQ_CACHE_DIR"] = tempfile.mkdtemp(prefix="npuq-test-cache-")
+_CACHE = tempfile.mkdtemp(prefix="npuq-test-cache-")
+os.environ["NPUQ_CACHE_DIR"] = _CACHE
 # A suite started in the background of a non-interactive shell inherits SIGINT ignored (POSIX),
 # and so would every npuq process it starts: the interruption tests would wait forever on a
 # Ctrl-C that never arrives. A handler (unlike "ignored") is reset to the default in children.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The cache goes with the session: with the real-model tests it holds a GGUF conversion of
+    about 0.5 GB, which each run used to leave behind in the temporary folder."""
+    shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):
