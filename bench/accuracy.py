@@ -57,8 +57,6 @@ def config(label: str, recipe: str, seq_mse: int | None = None, granularity: str
             "rotate": rotate, "calib": calib}
 
 
-
-
 DOMAIN_CONFIGS = [config("16a8w", "16a8w")]
 for _recipe in ("16a4w", "16a4w_block", "16a4w_mixed"):
     for _rotate in (None, "r1", "r1+r2"):

@@ -43,7 +43,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from importlib import metadata
@@ -53,6 +52,8 @@ from pathlib import Path
 # the windowed folder (tests/lower/windowed_driver.py, not part of the installed package);
 # pytest puts tests/lower on sys.path itself, a script has to.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "lower"))
+
+from npuq.fsio import write_json  # noqa: E402
 
 PROMPTS = (
     "The capital of France is",
@@ -87,15 +88,11 @@ def error(exc: BaseException) -> str:
 
 def versions() -> dict[str, str | None]:
     out = {}
-    for name in ("onnxruntime", "onnxruntime-qnn", "onnxruntime-genai", "torch", "transformers", "onnx"):
+    for name in ("onnxruntime", "onnxruntime-qnn", "onnxruntime-genai", "torch", "transformers", "onnx", "npuq"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
-    try:
-        out["npuq"] = metadata.version("npuq")
-    except metadata.PackageNotFoundError:
-        out["npuq"] = None
     return out
 
 
@@ -122,8 +119,8 @@ def quantize(args, work: Path, name: str, recipe: str) -> dict:
         print(f"npuq {' '.join(cmd)}", file=sys.stderr)
         proc, seconds = npuq(*cmd)
         entry.update(reused=False, wall_seconds=round(seconds, 1), command="npuq " + " ".join(cmd))
-        if failed(proc):
-            entry["error"] = failed(proc)
+        if (why := failed(proc)) is not None:
+            entry["error"] = why
             return entry
     result = work / f"quantize-{name}.json"
     if result.is_file():  # what the run that wrote the artifact reported (also when reused)
@@ -162,8 +159,8 @@ def export(args, work: Path, artifact: Path, name: str, flags: list[str]) -> dic
     print(f"npuq {' '.join(cmd)}", file=sys.stderr)
     proc, seconds = npuq(*cmd)
     entry: dict = {"folder": str(out), "command": "npuq " + " ".join(cmd), "wall_seconds": round(seconds, 1)}
-    if failed(proc):
-        entry["error"] = failed(proc)
+    if (why := failed(proc)) is not None:
+        entry["error"] = why
         return entry
     result = json.loads((work / f"export-{name}.json").read_text())
     manifest = json.loads((out / "manifest.json").read_text())
@@ -218,8 +215,8 @@ def npuq_generate(work: Path, folder: Path, prompt: str, n: int, prefill_len: in
     result = work / f"generate-{tag}.json"
     proc, seconds = npuq("generate", "--onnx", str(folder), "--prompt", prompt, "--max-new-tokens", str(n),
                          "--prefill-len", str(prefill_len), "--json", str(result))
-    if failed(proc):
-        return {"error": failed(proc), "wall_seconds": round(seconds, 2)}
+    if (why := failed(proc)) is not None:
+        return {"error": why, "wall_seconds": round(seconds, 2)}
     r = json.loads(result.read_text())
     return {"token_ids": list(r["token_ids"]), "text": r["text"], "prompt_tokens": r["prompt_tokens"],
             "prefill_seconds": round(r["prefill_seconds"], 2), "decode_seconds": round(r["decode_seconds"], 2),
@@ -270,29 +267,6 @@ def genai_shared(folder: Path, work: Path, n: int, prefill_len: int, hf) -> dict
     return out
 
 
-def qdq_view(folder: Path, into: Path) -> Path:
-    """The compiled windowed folder as an uncompiled export writes it: every file linked, and a
-    genai_config.json whose pipeline names the QDQ graphs (prefill.onnx, decode.onnx) instead of
-    the compiled contexts, which only the QNN HTP can open."""
-    config = json.loads((folder / "genai_config.json").read_text())
-    manifest = json.loads((folder / "manifest.json").read_text())
-    contexts = {c["file"]: manifest["graphs"][kind]["file"] for kind, c in manifest["compiled"]["graphs"].items()}
-    pipeline = []
-    for stage in config["model"]["decoder"]["pipeline"]:
-        (name, body), = stage.items()
-        if body["filename"] in contexts:
-            body = {**body, "filename": contexts[body["filename"]]}
-            name = body["filename"].removesuffix(".onnx")
-        pipeline.append({name: body})
-    config["model"]["decoder"]["pipeline"] = pipeline
-    into.mkdir(parents=True, exist_ok=True)
-    for p in folder.iterdir():
-        if p.is_file() and p.name != "genai_config.json":
-            (into / p.name).symlink_to(p.resolve())
-    (into / "genai_config.json").write_text(json.dumps(config, indent=2))
-    return into
-
-
 class Recorder:
     """A session whose calls' feeds are kept (to rerun one of them)."""
 
@@ -304,7 +278,7 @@ class Recorder:
         return self.session.run(outputs, feeds)
 
 
-def explain_divergence(view: Path, folder: Path, ids: list[int], tokens: list[int]) -> dict:
+def explain_divergence(folder: Path, ids: list[int], tokens: list[int]) -> dict:
     """Where the reference driver (right-aligned cache) and npuq's runner (cache filled from slot
     0, npuq.runtime.runner) part on the same token sequence: the next-token logits of each call
     compared, and the first differing decode call rerun with the driver's own inputs moved to
@@ -317,10 +291,9 @@ def explain_divergence(view: Path, folder: Path, ids: list[int], tokens: list[in
     from npuq.lower.ort import load_export
     from npuq.runtime.runner import StaticRunner
 
-    driver = WindowedDriver(view, cpu_only=True)
+    driver = WindowedDriver(folder, cpu_only=True, qdq=True)
     manifest, graphs = load_export(folder, "cpu")
-    decode_file = manifest.graphs["decode"].file
-    decode = next(name for name, stage in driver.stages if stage["filename"] == decode_file)
+    decode = next(name for name, file in driver.files.items() if file == manifest.graphs["decode"].file)
     driver.sessions[decode] = recorder = Recorder(driver.sessions[decode])
     driver.generate(ids, len(tokens))  # the same calls as the comparison that differed
     runner = StaticRunner(manifest.cfg, graphs, manifest.context, fast_path=False)
@@ -356,49 +329,45 @@ def explain_divergence(view: Path, folder: Path, ids: list[int], tokens: list[in
     return out
 
 
-
 def windowed(folder: Path, work: Path, n: int, prefill_len: int, htp_tokens: int, hf) -> dict:
     """The reference driver of the windowed cache on the windowed folder: exact CPU sessions
-    against ``npuq generate --onnx``; the compiled contexts on the HTP emulator against the QDQ
-    graphs there."""
+    against ``npuq generate --onnx`` (the QDQ graphs in place of the compiled contexts, which
+    only the QNN HTP opens); the compiled contexts on the HTP emulator against the QDQ graphs
+    there."""
+    import numpy as np
     from windowed_driver import WindowedDriver
-
-    from npuq.lower.ort import htp_session
 
     out: dict = {}
     prompts = []
-    with tempfile.TemporaryDirectory(prefix="npuq-bench-genai-") as tmp:
-        view = qdq_view(folder, Path(tmp) / "qdq")
-        for i, prompt in enumerate(PROMPTS):
-            entry: dict = {"prompt": prompt}
-            ids = list(hf(prompt)["input_ids"])
-            entry["npuq"] = npuq_generate(work, folder, prompt, n, prefill_len, f"windowed-{i}")
-            want = entry["npuq"].get("token_ids")
-            try:  # as many tokens as npuq generated (it stops at EOS; the driver does not)
-                start = time.perf_counter()
-                driver = WindowedDriver(view, cpu_only=True)
-                got = driver.generate(ids, len(want) if want else n)
-                entry["driver_cpu"] = {"token_ids": got, "seconds": round(time.perf_counter() - start, 2)}
-                del driver
-            except Exception as exc:  # noqa: BLE001
-                entry["driver_cpu_error"] = error(exc)
-            if want and "driver_cpu" in entry:
-                entry["tokens_equal"] = entry["driver_cpu"]["token_ids"] == want
-                if not entry["tokens_equal"]:
-                    try:
-                        entry["divergence"] = explain_divergence(view, folder, ids, entry["driver_cpu"]["token_ids"])
-                    except Exception as exc:  # noqa: BLE001
-                        entry["divergence"] = {"error": error(exc)}
-            print(f"  windowed {prompt[:30]!r}: equal {entry.get('tokens_equal')}", file=sys.stderr)
-            prompts.append(entry)
-            gc.collect()
+    for i, prompt in enumerate(PROMPTS):
+        entry: dict = {"prompt": prompt}
+        ids = list(hf(prompt)["input_ids"])
+        entry["npuq"] = npuq_generate(work, folder, prompt, n, prefill_len, f"windowed-{i}")
+        want = entry["npuq"].get("token_ids")
+        try:  # as many tokens as npuq generated (it stops at EOS; the driver does not)
+            start = time.perf_counter()
+            driver = WindowedDriver(folder, cpu_only=True, qdq=True)
+            got = driver.generate(ids, len(want) if want else n)
+            entry["driver_cpu"] = {"token_ids": got, "seconds": round(time.perf_counter() - start, 2)}
+            del driver
+        except Exception as exc:  # noqa: BLE001
+            entry["driver_cpu_error"] = error(exc)
+        if want and "driver_cpu" in entry:
+            entry["tokens_equal"] = entry["driver_cpu"]["token_ids"] == want
+            if not entry["tokens_equal"]:
+                try:
+                    entry["divergence"] = explain_divergence(folder, ids, entry["driver_cpu"]["token_ids"])
+                except Exception as exc:  # noqa: BLE001
+                    entry["divergence"] = {"error": error(exc)}
+        print(f"  windowed {prompt[:30]!r}: equal {entry.get('tokens_equal')}", file=sys.stderr)
+        prompts.append(entry)
+        gc.collect()
     out["prompts_cpu"] = prompts
 
     # the compiled contexts on the HTP emulator, where genai_config.json puts them
     prompt = PROMPTS[0]
     ids = list(hf(prompt)["input_ids"])
     decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
-    manifest = json.loads((folder / "manifest.json").read_text())
     htp: dict = {"prompt": prompt, "new_tokens": htp_tokens,
                  "provider_options": decoder["session_options"]["provider_options"],
                  "stages": [next(iter(s.values()))["filename"] for s in decoder["pipeline"]]}
@@ -411,18 +380,12 @@ def windowed(folder: Path, work: Path, n: int, prefill_len: int, htp_tokens: int
         htp["contexts"] = {"token_ids": tokens, "seconds": round(time.perf_counter() - start, 2)}
         print(f"  htp contexts: {tokens} in {htp['contexts']['seconds']} s", file=sys.stderr)
         start = time.perf_counter()
-        on_graphs = WindowedDriver(folder)
-        arch = manifest["compiled"]["htp_arch"]
-        for kind, c in manifest["compiled"]["graphs"].items():  # the QDQ graphs in place of their contexts
-            graph = folder / manifest["graphs"][kind]["file"]
-            on_graphs.sessions[c["file"].removesuffix(".onnx")] = htp_session(graph, arch)
+        on_graphs = WindowedDriver(folder, qdq=True)  # the QDQ graphs in place of their contexts
         htp["qdq_sessions_seconds"] = round(time.perf_counter() - start, 2)
         start = time.perf_counter()
         tokens = on_graphs.generate(ids, htp_tokens)
         htp["qdq"] = {"token_ids": tokens, "seconds": round(time.perf_counter() - start, 2)}
         print(f"  htp QDQ graphs: {tokens} in {htp['qdq']['seconds']} s", file=sys.stderr)
-        import numpy as np
-
         htp["calls"] = len(on_contexts.logits)
         htp["tokens_equal"] = htp["contexts"]["token_ids"] == htp["qdq"]["token_ids"]
         htp["logits_bit_equal"] = (len(on_contexts.logits) == len(on_graphs.logits)
@@ -511,16 +474,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     report["loadavg_end"] = loadavg()
     report["seconds"] = round(time.perf_counter() - started, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report, indent=2, ensure_ascii=False)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text + "\n", encoding="utf-8")
-    os.replace(tmp, out)
-    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    write_json(args.out, report)  # atomically
+    print(json.dumps(report, indent=2, ensure_ascii=False))
     return report
 
 
 if __name__ == "__main__":
     main()
-    sys.exit(0)

@@ -15,7 +15,7 @@ from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.lower import genai
 from npuq.lower.export import ExportOptions, export_artifact, read_manifest
-from npuq.lower.ort import cpu_session, htp_session, qnn_available
+from npuq.lower.ort import cpu_session, qnn_available
 from npuq.models.tiny import save_tiny_hf_folder
 
 INSTALL = "onnxruntime-genai is not installed: pip install 'npuq[genai]' (onnxruntime-genai==0.18.0)"
@@ -145,9 +145,8 @@ def test_compiled_windowed_folder_runs_its_contexts_on_the_htp(folders):
     assert read_manifest(folder).genai.stages == tuple(files)
     for prompt in PROMPTS[:2]:
         ids = _prompt_ids(folders, prompt)
-        on_contexts, on_graphs = WindowedDriver(folder), WindowedDriver(folder)
-        for name in ("prefill", "decode"):  # the QDQ graphs in place of their contexts
-            on_graphs.sessions[f"{name}_ctx"] = htp_session(folder / f"{name}.onnx", 73)
+        on_contexts, on_graphs = WindowedDriver(folder), WindowedDriver(folder, qdq=True)
+        assert on_graphs.files["decode_ctx"] == "decode.onnx" and on_contexts.files["decode_ctx"] == "decode_ctx.onnx"
         assert on_contexts.generate(ids, 4) == on_graphs.generate(ids, 4)
         assert len(on_contexts.logits) == len(on_graphs.logits)
         assert all(np.array_equal(x, y) for x, y in zip(on_contexts.logits, on_graphs.logits))

@@ -25,10 +25,15 @@ class WindowedDriver:
 
     Each stage runs where genai_config.json puts it (its own session options, else the decoder's):
     on the QNN provider, the HTP emulator with that HTP arch; otherwise (or with ``cpu_only``,
-    to run the same folder's stages on the CPU) the exact CPU session."""
+    to run the same folder's stages on the CPU) the exact CPU session. ``qdq``: a stage that
+    names a compiled context runs the QDQ graph it was compiled from (manifest.json) instead,
+    which the CPU can open too. ``files``: the file each stage runs."""
 
-    def __init__(self, folder, cpu_only=False):
+    def __init__(self, folder, cpu_only=False, qdq=False):
         self.folder = folder
+        manifest = json.loads((folder / "manifest.json").read_text())
+        compiled = (manifest.get("compiled") or {}).get("graphs", {})
+        graph_of = {c["file"]: manifest["graphs"][kind]["file"] for kind, c in compiled.items()} if qdq else {}
         config = json.loads((folder / "genai_config.json").read_text())["model"]
         self.ctx, self.pad_id = config["context_length"], config["pad_token_id"]
         dec = config["decoder"]
@@ -38,11 +43,12 @@ class WindowedDriver:
         assert window["alignment"] == "right" and window["slide_inputs"] and window["slide_key_value_cache"]
         self.W, self.pad = window["window_size"], window["pad_value"]
         self.stages = [next(iter(s.items())) for s in dec["pipeline"]]
-        self.sessions = {}
+        self.sessions, self.files = {}, {}
         for name, stage in self.stages:
             providers = stage.get("session_options", dec["session_options"])["provider_options"]
             qnn = next((p["qnn"] for p in providers if "qnn" in p), None)
-            path = folder / stage["filename"]
+            self.files[name] = graph_of.get(stage["filename"], stage["filename"])
+            path = folder / self.files[name]
             use_htp = qnn is not None and not cpu_only
             self.sessions[name] = htp_session(path, int(qnn["htp_arch"])) if use_htp else cpu_session(path)
         self.logits = []  # the last position's logits of every call

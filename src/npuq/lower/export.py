@@ -341,8 +341,8 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                 files[f"{kind}_ctx"], files[f"{kind}_ctx_bin"] = str(out / c.file), str(out / c.binary)
         genai_record = None
         if options.genai:
-            contexts = None
-            if compiled is not None and not compiled.share_weights:  # weight-shared contexts: device only, not wired
+            contexts = None  # what a windowed (NPU) folder runs; weight-shared contexts: device only, not wired
+            if compiled is not None and not compiled.share_weights and options.genai == "windowed":
                 contexts = {kind: c.file for kind, c in compiled.graphs.items()}
             genai_record = genai.write_folder(tmp, cfg, config.context, options.genai, graphs, tokenizer, contexts,
                                               target.htp_arch)

@@ -312,7 +312,7 @@ def pipeline_config(cfg: ModelConfig, context: int, cache: str, graphs: dict[str
     graphs when the export has them); ``shared``: everything on the CPU."""
     window = graphs["prefill"].ar_len
     cpu = {"provider_options": []}
-    contexts = contexts if cache == "windowed" and contexts else {}
+    contexts = contexts or {}
     pipeline = []
     for kind, prompt in (("prefill", True), ("decode", False)):
         entry = graphs[kind]

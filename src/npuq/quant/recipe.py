@@ -255,9 +255,9 @@ RECIPES["16a4w_mixed"] = Recipe(
 # error stage finds the MLP down projections of layers 2, 3 and 21 at -10 to -26 dB SQNR against
 # 14 dB at worst unrotated (the outputs where Qwen's very large activations arise).
 FALLBACK_RECIPE = "16a8w"
+_UNROTATED_16A8W = RECIPES["16a8w"].with_rotation(None)
 DEFAULT_RECIPES = {"smollm2-135m": RECIPES["16a8w"], "gemma3-270m": RECIPES["16a8w"],
-                   "qwen2.5-coder-0.5b": RECIPES["16a8w"].with_rotation(None),
-                   "qwen2.5-coder-1.5b": RECIPES["16a8w"].with_rotation(None)}
+                   "qwen2.5-coder-0.5b": _UNROTATED_16A8W, "qwen2.5-coder-1.5b": _UNROTATED_16A8W}
 
 
 def default_recipe(model: str) -> Recipe:
