@@ -3,11 +3,13 @@ fast ExecuTorch's own QNN quantization flow is on the same model and tokens.
 
 One run measures, each as a subprocess so imports and the model load are counted:
 
-- ``npuq quantize --scheme 16a8w --calib-tokens 1024`` (SmolLM2-135M by default): wall time,
+- ``npuq quantize --scheme 16a8w --rotate none --calib-tokens 1024`` (SmolLM2-135M by default;
+  no rotation by default, as ExecuTorch's flow has none: ``--rotate r1`` times npuq's default): wall time,
   and the stage split the command reports (model graph trace, prepare, calibration, convert,
   saving; the rest is Python start-up, imports, the model load, tokenizing and the thread plan);
-- ``npuq eval`` of the float model and of that artifact (its QDQ prefill and decode programs)
-  on the same ``--eval-tokens`` tokens: ms per token each and their ratio;
+- ``npuq eval`` of the float model and of that artifact (its QDQ programs, four windows per
+  call through the scoring program) on the same ``--eval-tokens`` tokens: ms per token each and
+  their ratio;
 - ``npuq generate`` at ``--num-threads`` 0 (the tuned plan), 1 and 2: decode ms per token;
 - ``npuq quantize`` at each ``--scaling`` calibration token count (1k, 4k, 16k): how the cost grows;
 - with ``--with-peers``: ExecuTorch 1.5.1 in its own virtual environment (out/peers/executorch,
@@ -78,7 +80,7 @@ def scaling(args: argparse.Namespace, work: Path) -> dict:
 
 def _quantize_once(args: argparse.Namespace, work: Path, calib_tokens: int | None = None) -> dict:
     artifact, result = work / "artifact", work / "quantize.json"
-    wall, _ = run(npuq("quantize", "--model", args.model, "--scheme", args.scheme, "--calib-tokens",
+    wall, _ = run(npuq("quantize", "--model", args.model, "--scheme", args.scheme, "--rotate", args.rotate, "--calib-tokens",
                        str(calib_tokens or args.calib_tokens), "--out", str(artifact), "--force", "--json", str(result)))
     r = json.loads(result.read_text())
     export = r.get("export_seconds") or 0.0
@@ -264,7 +266,8 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--scheme", default="16a8w")
     p.add_argument("--calib-tokens", type=int, default=1024)
-    p.add_argument("--eval-tokens", type=int, default=512)
+    p.add_argument("--rotate", default="none", help="npuq quantize --rotate (default none: ExecuTorch's flow has no rotation)")
+    p.add_argument("--eval-tokens", type=int, default=4096)
     p.add_argument("--gen-tokens", type=int, default=96, help="tokens generated per run of the thread check")
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats of the thread check")
     p.add_argument("--scaling", type=int, nargs="*", default=[1024, 4096, 16384],
@@ -272,7 +275,7 @@ def main() -> int:
     p.add_argument("--with-peers", action="store_true", help="also time ExecuTorch 1.5.1's QnnQuantizer flow")
     p.add_argument("--out", default=str(ROOT / "out" / "bench" / "speed.json"))
     args = p.parse_args()
-    report: dict = {"model": args.model, "scheme": args.scheme, "calibration_tokens": args.calib_tokens,
+    report: dict = {"model": args.model, "scheme": args.scheme, "rotate": args.rotate, "calibration_tokens": args.calib_tokens,
                     "host_cpus": os.cpu_count(), "load_average": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="npuq-speed-") as tmp:
         work = Path(tmp)

@@ -299,7 +299,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
         with ctx.scope("prefill") as threads:
             result = evaluate_perplexity(programs.logits, loaded.tokenizer, documents, options.context,
-                                         max_docs=options.max_docs, max_tokens=options.max_tokens, progress=True,
+                                         batch_size=programs.batch, mixed=True, max_docs=options.max_docs, max_tokens=options.max_tokens, progress=True,
                                          device=ctx.device)
         result = replace(result, graphs=programs.describe(), threads=threads)
     else:  # whole windows: the calibrate phase's shape
@@ -461,11 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--max-tokens", type=_pos_int, metavar="N",
                         help="score only the first N tokens (whole documents, the last one cut)")
     p.add_argument("--batch-size", type=_pos_int, default=4, metavar="N",
-                   help="windows of equal length per forward of the float model (default 4)")
+                   help="windows of equal length per forward of the float model (default 4; --artifact scores "
+                        "as many windows per call as its scoring program takes, --onnx one)")
     quantized = p.add_mutually_exclusive_group()
     quantized.add_argument("--artifact", metavar="DIR",
                            help="evaluate a quantized artifact ('npuq quantize --out'): its QDQ prefill and decode "
-                                "programs, run from an empty cache as on the device (instead of --model)")
+                                "programs, run from an empty cache as on the device, several windows per call "
+                                "(instead of --model)")
     quantized.add_argument("--onnx", metavar="DIR", help="evaluate an exported folder ('npuq export --out') with ONNX Runtime")
     p.add_argument("--provider", choices=("cpu", "htp"), default="cpu",
                    help="with --onnx: cpu (exact QDQ reference, graph optimizations off) or htp (the QNN HTP "

@@ -70,6 +70,11 @@ def test_batches_group_equal_lengths():
     assert all(len({len(windows[i].inputs) for i in b}) == 1 for b in batches)
 
 
+def test_mixed_batches_take_the_longest_first_whatever_their_lengths():
+    windows = [Window(0, tuple(range(n)), (0,)) for n in (5, 3, 5, 5, 3, 1)]
+    assert length_batches(windows, batch_size=4, mixed=True) == [[0, 2, 3, 1], [4, 5]]
+
+
 def test_window_refuses_more_targets_than_inputs():
     with pytest.raises(ValueError):
         Window(0, (1, 2), (1, 2, 3))

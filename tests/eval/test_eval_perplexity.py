@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from npuq.data.corpora import Document
+from npuq.data.windows import document_windows, length_batches
 from npuq.errors import NpuqError
 from npuq.eval.perplexity import evaluate_perplexity, prefix_token_id, tokenize_documents, window_loglikelihood
 
@@ -63,10 +64,14 @@ def _by_hand(model, tokenizer, pages, context):
     }
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_matches_a_hand_computation(tiny_lm, tokenizer, batch_size):
+@pytest.mark.parametrize("batch_size, mixed", [(1, False), (3, False), (4, True)])
+def test_matches_a_hand_computation(tiny_lm, tokenizer, batch_size, mixed):
+    """mixed: windows of different lengths share a forward, right-padded with token 0."""
     docs = [Document(f"d{i}", page) for i, page in enumerate(PAGES)]
-    ours = evaluate_perplexity(tiny_lm, tokenizer, docs, CONTEXT, batch_size=batch_size)
+    if mixed:  # the last batch holds a full window and the short page's
+        windows = document_windows([d.tokens for d in tokenize_documents(tokenizer, docs)], prefix_token_id(tokenizer), CONTEXT)
+        assert [len(windows[i].inputs) for i in length_batches(windows, batch_size, mixed)[-1]] == [8, 5]
+    ours = evaluate_perplexity(tiny_lm, tokenizer, docs, CONTEXT, batch_size=batch_size, mixed=mixed)
     ref = _by_hand(tiny_lm, tokenizer, PAGES, CONTEXT)
     assert ref["tokens"] > 4 * CONTEXT  # the long page spans several windows
     for key in ("tokens", "words", "bytes"):

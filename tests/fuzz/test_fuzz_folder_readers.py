@@ -92,7 +92,7 @@ def _folder(tmp_path, files, name, text):
     return folder
 
 
-ARTIFACT_FILES = ("decode.json", "prefill.json", "weights.safetensors")
+ARTIFACT_FILES = ("decode.json", "prefill.json", "scoring.json", "weights.safetensors")
 EXPORT_FILES = ("decode.onnx", "prefill.onnx")
 
 

@@ -31,7 +31,7 @@ def test_save_load_round_trip(tmp_path, quantized):
     out = save_artifact(quantized, tmp_path / "art", model=ModelInfo("tiny", "tiny-source", "0" * 64),
                         calibration={"corpus": "test"})
     assert sorted(os.listdir(out)) == ["config.json", "decode.json", "encodings.json", "prefill.json",
-                                       "weights.safetensors"]
+                                       "scoring.json", "weights.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["art"]  # no temporary folder left behind
     loaded = load_artifact(out)
     tokens = torch.randint(3, quantized.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))

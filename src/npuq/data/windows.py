@@ -55,17 +55,14 @@ def document_windows(token_lists: Sequence[Sequence[int]], prefix_token: int, co
     ]
 
 
-def length_batches(windows: Sequence[Window], batch_size: int) -> list[list[int]]:
-    """Indices of ``windows`` grouped into batches of equal input length, at most ``batch_size`` each.
-
-    Equal lengths need no padding, so every batch is one plain (B, T) forward. Longest first,
-    so a memory problem shows at the start.
+def length_batches(windows: Sequence[Window], batch_size: int, mixed: bool = False) -> list[list[int]]:
+    """Indices of ``windows`` grouped into batches of at most ``batch_size``, longest first (so a
+    memory problem shows at the start). Each batch holds windows of one input length, so it is
+    one plain (B, T) forward; ``mixed``: consecutive windows of that order whatever their
+    lengths, for a scorer that right-pads them to the batch's longest.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     order = sorted(range(len(windows)), key=lambda i: (-len(windows[i].inputs), i))
-    batches = []
-    for _, group in groupby(order, key=lambda i: len(windows[i].inputs)):
-        group = list(group)
-        batches += [group[j : j + batch_size] for j in range(0, len(group), batch_size)]
-    return batches
+    groups = [order] if mixed else [list(g) for _, g in groupby(order, key=lambda i: len(windows[i].inputs))]
+    return [group[j : j + batch_size] for group in groups for j in range(0, len(group), batch_size)]

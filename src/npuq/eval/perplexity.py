@@ -149,22 +149,26 @@ def window_loglikelihood(logits: torch.Tensor, targets: Sequence[int]) -> float:
 
 def score_windows(
     logits_fn: LogitsFn, windows: Sequence[Window], batch_size: int = 1, progress: bool = False,
-    device: str | torch.device | None = None,
+    device: str | torch.device | None = None, mixed: bool = False,
 ) -> list[float]:
     """Log-likelihood of each window's targets, in the order of ``windows``; the tokens given to
-    ``logits_fn`` are on ``device`` (None: the CPU)."""
+    ``logits_fn`` are on ``device`` (None: the CPU). ``mixed``: a batch may hold windows of
+    different lengths, each right-padded with token 0 to the longest (a causal forward's logits
+    of a window's tokens do not depend on the tokens after them)."""
     from tqdm import tqdm
 
     scores = [0.0] * len(windows)
     with tqdm(total=len(windows), desc="perplexity", unit="window", disable=not progress, leave=False) as bar:
-        for batch in length_batches(windows, batch_size):
-            tokens = torch.tensor([windows[i].inputs for i in batch], dtype=torch.long, device=device)  # (B, T)
+        for batch in length_batches(windows, batch_size, mixed):
+            longest = max(len(windows[i].inputs) for i in batch)
+            tokens = torch.tensor([windows[i].inputs + (0,) * (longest - len(windows[i].inputs)) for i in batch],
+                                  dtype=torch.long, device=device)  # (B, T)
             with torch.no_grad():
                 logits = logits_fn(tokens)  # (B, T, V)
             if tuple(logits.shape[:2]) != tuple(tokens.shape):
                 raise ValueError(f"logits_fn returned shape {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; expected (B, T, V)")
             for row, i in enumerate(batch):
-                scores[i] = window_loglikelihood(logits[row], windows[i].targets)
+                scores[i] = window_loglikelihood(logits[row, : len(windows[i].inputs)], windows[i].targets)
             bar.update(len(batch))
     return scores
 
@@ -181,14 +185,15 @@ def evaluate_perplexity(
     max_context: int | None = None,
     progress: bool = False,
     device: str | torch.device | None = None,
+    mixed: bool = False,
 ) -> EvalResult:
     """Word/byte perplexity and bits per byte of ``documents`` under ``logits_fn``, which gets
-    its tokens on ``device`` (None: the CPU)."""
+    its tokens on ``device`` (None: the CPU); ``mixed``: see :func:`score_windows`."""
     check_context(context, max_context)
     start = time.perf_counter()
     docs = tokenize_documents(tokenizer, documents, max_docs, max_tokens)
     windows = document_windows([d.tokens for d in docs], prefix_token_id(tokenizer), context)
-    scores = score_windows(logits_fn, windows, batch_size, progress, device)
+    scores = score_windows(logits_fn, windows, batch_size, progress, device, mixed)
     per_doc = [0.0] * len(docs)
     for window, score in zip(windows, scores):
         per_doc[window.doc] += score

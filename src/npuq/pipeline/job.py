@@ -229,7 +229,7 @@ class Job:
             programs = self.artifact_programs() if of == "quantize" else self.export_programs()
             with ctx.scope("prefill"):  # prefill chunks
                 result = evaluate_perplexity(programs.to(ctx.device).logits, self.tokenizer, self.documents,
-                                             e.context, max_tokens=e.max_tokens, progress=ctx.progress,
+                                             e.context, batch_size=programs.batch, mixed=True, max_tokens=e.max_tokens, progress=ctx.progress,
                                              device=ctx.device)
             return replace(result, graphs=programs.describe())
 

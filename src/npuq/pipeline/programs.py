@@ -2,8 +2,10 @@
 
 Both give the same thing: the prefill and decode graphs keyed by ar_len, the model config
 they were built from, their context and a LogitsFn that runs tokens (B, T) through them from
-an empty cache (prefill chunks, then decode steps, as the device runner does). PT2E programs
-can move to a GPU (:meth:`Programs.to`); ONNX sessions run on their provider and take CPU tensors.
+an empty cache (prefill chunks, then decode steps, as the device runner does). An artifact's
+scoring program runs ``batch`` rows' prefill chunks per call (:func:`npuq.runtime.runner.run_programs`);
+ONNX graphs take one row at a time. PT2E programs can move to a GPU (:meth:`Programs.to`);
+ONNX sessions run on their provider and take CPU tensors.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ class Programs:
     graphs: dict[int, Any]  # ar_len → callable(*inputs) → (logits, *k_new, *v_new)
     model_source: str  # where the tokenizer comes from
     source: dict[str, Any]  # what was opened, for results
+    scoring: Any = None  # an artifact's prefill program at a batch of several rows
+
+    @property
+    def batch(self) -> int:
+        """Rows per call worth giving :meth:`logits` (the scoring program's batch, else 1)."""
+        from npuq.runtime.runner import tokens_shape
+
+        return 1 if self.scoring is None else tokens_shape(self.scoring)[0]
 
     def to(self, device: str | torch.device) -> Programs:
         """Move the PT2E programs to ``device`` in place; ONNX graphs accept only the CPU."""
@@ -36,15 +46,15 @@ class Programs:
         if "onnx" in self.source:
             raise NpuqError(f"--device {device}: ONNX graphs run where --provider places them and take CPU tensors; "
                             "use --device cpu with --onnx")
-        for graph in set(self.graphs.values()):
+        for graph in {*self.graphs.values(), *([self.scoring] if self.scoring is not None else [])}:
             move_graph(graph, device)
         return self
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        return run_programs(self.config, self.graphs, self.context, tokens)
+        return run_programs(self.config, self.graphs, self.context, tokens, self.scoring)
 
     def describe(self) -> dict[str, Any]:
-        return dict(self.source)
+        return {**self.source, "batch": self.batch}
 
 
 def open_programs(artifact: str | None = None, onnx: str | None = None, provider: str = "cpu") -> Programs:
@@ -55,7 +65,8 @@ def open_programs(artifact: str | None = None, onnx: str | None = None, provider
         model = read_artifact(artifact).model
         return Programs(qm.config, qm.context, qm.graphs(),
                         _model_source(model.name if model else None, model.source if model else None, artifact),
-                        {"artifact": str(artifact), "scheme": qm.recipe.default, "recipe": qm.recipe.name})
+                        {"artifact": str(artifact), "scheme": qm.recipe.default, "recipe": qm.recipe.name},
+                        qm.scoring)
     if onnx:
         from npuq.lower.ort import context_use, load_export
 

@@ -2,7 +2,9 @@
 
     DIR/decode.json          converted decode program (AR-1): its graph, as JSON
     DIR/prefill.json         converted prefill program (AR-N), same encodings
-    DIR/weights.safetensors  the tensors of both programs, once (they share every weight)
+    DIR/scoring.json         the prefill program at batch 4, which ``npuq eval`` scores text with
+                             (absent from artifacts of npuq 0.x before it: they score row by row)
+    DIR/weights.safetensors  the tensors of the programs, once (they share every weight)
     DIR/encodings.json       per-tensor encodings (npuq.calibrate.encodings)
     DIR/config.json          every option, the recipe and what it matched, versions, the sha256 of
                              the float weights, timings
@@ -43,11 +45,14 @@ from npuq.models.config import ModelConfig
 from npuq.calibrate.encodings import encodings_json
 from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, tensor_bytes, write_programs
 from npuq.quantize.pt2e import QuantizedModel, fold_constant_dequant, simplify_qdq
+from npuq.runtime.runner import tokens_shape
 from npuq.quant.recipe import Recipe
 from npuq.records import from_json, optional_key, to_json
 
 ARTIFACT_FORMAT = "npuq-quantized/2"
-PROGRAMS = {"decode": "decode.json", "prefill": "prefill.json"}
+PROGRAMS = {"decode": "decode.json", "prefill": "prefill.json"}  # what a device runs (batch 1)
+SCORING = "scoring"  # the optional program that scores text, at batch ProgramEntry.batch
+SCORING_FILE = "scoring.json"
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class ModelInfo:
 class ProgramEntry:
     file: str  # inside the artifact folder
     ar_len: int  # tokens per call
+    batch: int | None = optional_key()  # rows per call; None (no key): 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,8 +83,8 @@ class ArtifactConfig:
     rotation: dict[str, Any] | None = optional_key()  # RotationReport folded into the weights; None (no key): none
     model_config: dict[str, Any]  # ModelConfig.to_dict(); read with :attr:`cfg`
     context: int
-    programs: dict[str, ProgramEntry]  # decode (AR-1), prefill (AR-N)
-    weights: str  # the safetensors file both programs share, inside the folder
+    programs: dict[str, ProgramEntry]  # decode (AR-1), prefill (AR-N), optionally scoring (AR-N, batch > 1)
+    weights: str  # the safetensors file the programs share, inside the folder
     recipe: dict[str, Any]  # Recipe.to_dict(); read with :meth:`read_recipe`
     recipe_plan: tuple[dict[str, Any], ...] | None  # RecipePlan.to_list(): path, kind, rule, scheme per layer
     stats: dict[str, Any]  # QuantizedModel.stats: scheme, calibration tokens and times
@@ -96,6 +102,15 @@ class ArtifactConfig:
             limit = 1 if kind == "decode" else self.context - 1
             if not 1 <= entry.ar_len <= limit:
                 raise NpuqError(f"the {kind} program's ar_len {entry.ar_len} is not a whole number from 1 to {limit}")
+            if entry.batch not in (None, 1):
+                raise NpuqError(f"the {kind} program's batch is {entry.batch}, not 1")
+        unknown = set(self.programs) - set(PROGRAMS) - {SCORING}
+        if unknown:
+            raise NpuqError(f"unknown programs {sorted(unknown)}")
+        scoring = self.programs.get(SCORING)
+        if scoring is not None and (scoring.ar_len != self.programs["prefill"].ar_len or (scoring.batch or 1) < 2):
+            raise NpuqError(f"the scoring program (ar_len {scoring.ar_len}, batch {scoring.batch}) is not the prefill "
+                            f"program's ar_len {self.programs['prefill'].ar_len} at a batch of 2 or more")
         ModelConfig.from_dict(self.model_config)  # a wrong key, type or value is an NpuqError
         Recipe.from_dict(self.recipe, name="artifact")
 
@@ -148,8 +163,9 @@ def estimate_artifact_bytes(qm: QuantizedModel, encodings_text: str | None = Non
     if encodings_text is None:
         encodings_text = encodings_json(qm.encodings)
     total = len(encodings_text) + 64 * 1024  # + config.json
-    total += tensor_bytes([qm.decode, qm.prefill])
-    return total + sum(NODE_BYTES * len(gm.graph.nodes) for gm in (qm.decode, qm.prefill))
+    programs = [gm for gm in (qm.decode, qm.prefill, qm.scoring) if gm is not None]
+    total += tensor_bytes(programs)
+    return total + sum(NODE_BYTES * len(gm.graph.nodes) for gm in programs)
 
 
 def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = False, model: ModelInfo | None = None,
@@ -164,7 +180,13 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
     check_free_disk(final, estimate_artifact_bytes(qm, encodings_text), f"the artifact {final}")
     with atomic_dir(final) as tmp:
         cfg = qm.config
-        write_programs({"decode": qm.decode, "prefill": qm.prefill}, tmp, PROGRAMS, WEIGHTS_FILE)
+        programs = {1: ("decode", qm.decode), qm.prefill_len: ("prefill", qm.prefill)}
+        entries = {kind: ProgramEntry(PROGRAMS[kind], ar_len) for ar_len, (kind, _) in programs.items()}
+        graphs = {kind: gm for kind, gm in programs.values()}
+        if qm.scoring is not None:
+            graphs[SCORING] = qm.scoring
+            entries[SCORING] = ProgramEntry(SCORING_FILE, qm.prefill_len, tokens_shape(qm.scoring)[0])
+        write_programs(graphs, tmp, {kind: entry.file for kind, entry in entries.items()}, WEIGHTS_FILE)
         (tmp / "encodings.json").write_text(encodings_text + "\n", encoding="utf-8")
         config = ArtifactConfig(
             model=model,
@@ -173,7 +195,7 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
             rotation=rotation,
             model_config=cfg.to_dict(),
             context=qm.context,
-            programs={k: ProgramEntry(f, 1 if k == "decode" else qm.prefill_len) for k, f in PROGRAMS.items()},
+            programs=entries,
             weights=WEIGHTS_FILE,
             recipe=qm.recipe.to_dict(),
             recipe_plan=tuple(qm.plan.to_list()) if qm.plan is not None else None,
@@ -211,7 +233,7 @@ def read_artifact(folder: str | os.PathLike) -> ArtifactConfig:
         config = from_json(ArtifactConfig, data, f"{where}: config.json")
     except NpuqError as exc:
         raise NpuqError(f"{exc}; {again}") from None
-    for kind in PROGRAMS:
+    for kind in config.programs:
         if not program_path(path, config, kind).is_file():
             raise NpuqError(f"{where}: {config.programs[kind].file} is missing; the artifact is incomplete, {again}")
     if not weights_path(path, config).is_file():
@@ -243,28 +265,38 @@ def load_program(path: str | os.PathLike, tensors: dict[str, torch.Tensor] | Non
         raise NpuqError(f"{path}: cannot load the program ({type(exc).__name__}: {exc}); quantize again") from None
 
 
-def load_artifact(folder: str | os.PathLike, fold_constants: bool = True) -> QuantizedModel:
+def load_artifact(folder: str | os.PathLike, fold_constants: bool = True, scoring: bool = True) -> QuantizedModel:
     """Read an artifact back; ``.logits(tokens (B, T)) -> (B, T, V)`` runs its prefill and
     decode programs from an empty cache (a LogitsFn for npuq.eval).
 
     ``fold_constants`` dequantizes the integer weights once at load time instead of at every
-    call (:func:`npuq.quantize.pt2e.fold_constant_dequant`), once for both programs, and turns
+    call (:func:`npuq.quantize.pt2e.fold_constant_dequant`), once for all programs, and turns
     the activations' quantize/dequantize pairs into cheaper ops that compute the same bits
     (:func:`npuq.quantize.pt2e.simplify_qdq`): same numbers, a faster CPU simulation,
     float-sized weights in memory. Pass False to keep the programs as saved (q/dq nodes and all,
-    what the lowering reads).
+    what the lowering reads). ``scoring``: also load the scoring program, if the artifact has one.
     """
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
     from npuq.calibrate.encodings import read_encodings
 
     path = Path(folder)
     config = read_artifact(path)
     encodings = read_encodings(path / "encodings.json")  # checked before the slow program loads
     tensors = read_weights(weights_path(path, config))
-    folded: dict[Any, Any] = {}  # shared by both programs
+    folded: dict[Any, Any] = {}  # shared by the programs
+    kinds = [*PROGRAMS, *([SCORING] if scoring and SCORING in config.programs else [])]
     programs = {}
-    for kind in ("decode", "prefill"):
+    for kind in kinds:
         module = load_program(program_path(path, config, kind), tensors)
-        programs[kind] = simplify_qdq(fold_constant_dequant(module, folded)) if fold_constants else module
+        entry = config.programs[kind]
+        shape = (entry.batch or 1, entry.ar_len)
+        if tokens_shape(module) != shape:
+            raise NpuqError(f"--artifact {path}: the {kind} program does not take tokens of shape {shape} as config.json "
+                            "says; quantize again")
+        if fold_constants:  # lazy: fold and simplify rewrite the graph, its code is made once, on the first call
+            module = simplify_qdq(fold_constant_dequant(_LazyGraphModule.from_graphmodule(module), folded))
+        programs[kind] = module
     return QuantizedModel(
         config=config.cfg,
         context=config.context,
@@ -274,4 +306,5 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True) -> Qua
         encodings=encodings,
         recipe=config.read_recipe(),
         stats=config.stats,
+        scoring=programs.get(SCORING),
     )

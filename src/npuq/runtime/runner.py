@@ -127,10 +127,11 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor
 class StaticRunner:
     """Runs a prompt through prefill (AR-N) chunks and then AR-1 decode steps.
 
-    ``graphs`` maps ar_len → callable; it must contain ar_len 1 (decode) and may contain one
-    prefill length N. A feed of a single token, and tokens that do not fill a whole prefill
-    chunk near the end of the context, go through decode steps; longer feeds go through
-    prefill chunks, the last one padded. The KV cache, token ids, mask and positions live on
+    ``graphs`` maps ar_len → callable: decode (ar_len 1) and at most one prefill length N,
+    each taking ``batch`` rows. A feed of a single token, and tokens that do not fill a whole
+    prefill chunk near the end of the context, go through decode steps; longer feeds go through
+    prefill chunks, the last one padded (:func:`feed_schedule`). A runner without a decode
+    graph takes only feeds that need none. The KV cache, token ids, mask and positions live on
     ``device``, where the graphs' weights must be (an ONNX session takes and returns CPU
     tensors: keep the CPU).
 
@@ -141,8 +142,8 @@ class StaticRunner:
 
     def __init__(self, cfg: ModelConfig, graphs: dict[int, Graph], context: int, batch: int = 1,
                  device: str | torch.device = "cpu", fast_path: bool | None = None):
-        if 1 not in graphs:
-            raise ValueError("the runner needs a decode graph (ar_len 1)")
+        if not graphs or len(set(graphs) - {1}) > 1:
+            raise ValueError(f"the runner takes a decode graph and at most one prefill graph, got ar_lens {sorted(graphs)}")
         self.cfg, self.graphs, self.context, self.batch = cfg, graphs, context, batch
         self.device = torch.device(device)
         self.prefill_len = max(graphs)
@@ -159,7 +160,7 @@ class StaticRunner:
         # holding code 0 dequantizes to -zero_point·scale (-145 for a Qwen2.5 K cache), and
         # q·k of such keys outweighs the mask. So a code-fed graph's empty slots hold its zero
         # point, which is 0.0 as the float programs see it.
-        fill = getattr(graphs[1], "empty_cache", None)
+        fill = getattr(graphs[min(graphs)], "empty_cache", None)
         if fill is not None:
             if len(fill) != 2 * L:
                 raise ValueError(f"empty_cache has {len(fill)} values for {2 * L} cache inputs")
@@ -188,35 +189,78 @@ class StaticRunner:
         return out[0][:, :n_real]  # (B, n_real, V)
 
     def feed(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Append tokens to the cache; returns the logits (B, len, V) of those tokens."""
-        if self.n_past + len(token_ids) > self.context:
+        """Append tokens to the cache of every row; returns the logits (B, len, V) of those tokens."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return self.feed_rows(ids.unsqueeze(0).expand(self.batch, -1))
+
+    def feed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Append tokens (B, T), one sequence per row, to the cache; returns their logits (B, T, V)."""
+        if ids.shape[0] != self.batch:
+            raise ValueError(f"{ids.shape[0]} rows for a runner of batch {self.batch}")
+        if self.n_past + ids.shape[1] > self.context:
             raise NpuqError(
-                f"{self.n_past + len(token_ids)} tokens do not fit the context of {self.context}: "
+                f"{self.n_past + ids.shape[1]} tokens do not fit the context of {self.context}: "
                 "raise --context or shorten the input"
             )
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device).unsqueeze(0).expand(self.batch, -1)
-        logits, i, N = [], 0, self.prefill_len
-        while i < len(token_ids):
-            chunk = ids[:, i : i + N]
-            n_real = chunk.shape[1]
-            if N > 1 and n_real > 1 and self.n_past + N <= self.context:
-                if n_real < N:  # pad the last chunk; padded entries never reach the cache
-                    chunk = torch.cat([chunk, chunk.new_zeros(self.batch, N - n_real)], dim=1)
-                logits.append(self._call(chunk, n_real))
-                i += n_real
-            else:  # one token (a generation step), or no room for a whole chunk: AR-1
-                logits.append(self._call(ids[:, i : i + 1], 1))
-                i += 1
+        logits, i = [], 0
+        for ar_len, n_real in feed_schedule(self.n_past, ids.shape[1], self.prefill_len, self.context):
+            if ar_len not in self.graphs:
+                raise ValueError(f"this feed needs the graph of ar_len {ar_len}, which the runner was not given")
+            chunk = ids[:, i : i + n_real]
+            if n_real < ar_len:  # pad the last chunk; padded entries never reach the cache
+                chunk = torch.cat([chunk, chunk.new_zeros(self.batch, ar_len - n_real)], dim=1)
+            logits.append(self._call(chunk, n_real))
+            i += n_real
         return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
 
 
-def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens: torch.Tensor) -> torch.Tensor:
+def feed_schedule(n_past: int, n_tokens: int, prefill_len: int, context: int) -> list[tuple[int, int]]:
+    """(ar_len, real tokens) of each call that appends ``n_tokens`` to a cache holding ``n_past``:
+    prefill chunks of ``prefill_len`` (the last one padded) while more than one token is left
+    and a whole chunk fits the context, decode steps (ar_len 1) for the rest."""
+    steps = []
+    while n_tokens > 0:
+        n_real = min(prefill_len, n_tokens)
+        if prefill_len > 1 and n_real > 1 and n_past + prefill_len <= context:
+            steps.append((prefill_len, n_real))
+        else:
+            n_real = 1
+            steps.append((1, 1))
+        n_past += n_real
+        n_tokens -= n_real
+    return steps
+
+
+def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens: torch.Tensor,
+                 batched: Any = None) -> torch.Tensor:
+    """Logits (B, T, V) of each row of ``tokens`` fed from an empty cache through ``graphs``
+    (decode and prefill at batch 1), the way a device runs them. ``batched``: the prefill
+    program at a batch of several rows (a PT2E program; its batch is its tokens input's): rows
+    whose feed is prefill chunks only go through it that many at a time (the last group padded
+    with copies of its last row), so a chunk reads the weights once for all of them. Each row
+    still takes the same calls, at the same cache slots, as on its own."""
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
     if tokens.shape[1] > context:
         raise NpuqError(f"{tokens.shape[1]} tokens exceed the programs' context of {context}: shorten the input")
-    rows = []
-    for row in tokens:
+    rows, start = [], 0
+    prefill_len = max(graphs)
+    if batched is not None and all(ar_len == prefill_len for ar_len, _ in
+                                   feed_schedule(0, tokens.shape[1], prefill_len, context)):
+        size = tokens_shape(batched)[0]
+        while tokens.shape[0] - start >= 2:  # one row left over goes alone: padding it costs more
+            group = tokens[start : start + size]
+            padded = torch.cat([group, group[-1:].expand(size - group.shape[0], -1)])
+            runner = StaticRunner(cfg, {prefill_len: batched}, context, batch=size, device=tokens.device)
+            rows.append(runner.feed_rows(padded)[: group.shape[0]])
+            start += group.shape[0]
+    for row in tokens[start:]:
         runner = StaticRunner(cfg, graphs, context, device=tokens.device)
         rows.append(runner.feed(row.tolist()))
     return torch.cat(rows, dim=0)
+
+
+def tokens_shape(program: Any) -> tuple[int, ...]:
+    """The (batch, ar_len) of a static PT2E program: the shape of its tokens input."""
+    first = next(n for n in program.graph.nodes if n.op == "placeholder")
+    return tuple(first.meta["val"].shape)
