@@ -32,9 +32,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.fx import GraphModule
@@ -126,8 +127,23 @@ class ArtifactConfig:
 
 def weights_sha256(model: torch.nn.Module) -> str:
     """SHA-256 over every state-dict tensor (name, dtype, shape, bytes) in name order."""
+    return _state_sha256(sorted(model.state_dict().items()))
+
+
+def start_weights_sha256(model: torch.nn.Module) -> Callable[[], str]:
+    """:func:`weights_sha256` of ``model`` computed in a thread, returned by the function this
+    returns (which waits for it). hashlib releases the GIL, so the hash (0.5 s for SmolLM2-135M)
+    overlaps tracing and calibration. The state dict is taken now (a trace swaps parameters for
+    fake tensors while it runs); nothing may write the weights in place until the result is in."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="npuq-weights-sha256")
+    future = pool.submit(_state_sha256, sorted(model.state_dict().items()))
+    pool.shutdown(wait=False)
+    return future.result
+
+
+def _state_sha256(items: list[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in items:
         t = t.detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():

@@ -147,7 +147,7 @@ def quantize_to_artifact(
 def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force: bool) -> QuantizeResult:
     from npuq.data.corpora import replaced_characters
     from npuq.models import load_model
-    from npuq.quantize.artifact import ModelInfo, check_destination, save_artifact, weights_sha256
+    from npuq.quantize.artifact import ModelInfo, check_destination, save_artifact, start_weights_sha256
 
     start = time.perf_counter()
     check_destination(out, force)  # cheap checks first: the model takes seconds to load
@@ -156,10 +156,12 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     if o.context > loaded.config.max_position_embeddings:
         raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
     tokens = corpus_tokens(loaded.tokenizer, documents, o.calib_tokens)
-    model = ModelInfo(o.model, loaded.source, weights_sha256(loaded.model))  # the float weights as loaded
+    weights_sha256 = start_weights_sha256(loaded.model)  # of the float weights as loaded
     rotation = None
     if recipe.rotate is not None:  # before everything that reads the weights: the artifact holds rotated ones
         from npuq.optimize.rotate import rotate_model
+
+        weights_sha256()  # the rotation writes the weights in place: the hash first
 
         r1, r2 = ROTATIONS[recipe.rotate]
         rotation = rotate_model(loaded.model, seed=ROTATION_SEED, r1=r1, r2=r2)
@@ -170,6 +172,8 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     weight_scales, optimized = None, None
     if o.recovers:
         from npuq.calibrate.split import split_windows
+
+        weights_sha256()  # the recovery writes its rounded weights in place: the hash first
 
         with ctx.scope(o.phase):
             weight_scales, optimized = optimize_for_recipe(
@@ -191,6 +195,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
                    "device": str(ctx.device)}
     saving = time.perf_counter()
     rotation_json = None if rotation is None else dataclasses.asdict(rotation)
+    model = ModelInfo(o.model, loaded.source, weights_sha256())
     path = save_artifact(qm, out, force=force, model=model, calibration=calibration, optimize=optimized,
                          rotation=rotation_json)
     saved = time.perf_counter() - saving
