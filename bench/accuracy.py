@@ -6,7 +6,8 @@ configuration is scored at context 512 on
 
 - ``builtin``: the builtin corpus's eval split, disjoint from calib but of the same domain;
 - ``prose``: English prose of another domain, never used for calibration or tuning: the 1911
-  Encyclopaedia Britannica article on Shakespeare (bench/corpora.py fetches and cleans it).
+  Encyclopaedia Britannica article on Shakespeare (the eval split of npuq's ``prose`` corpus,
+  downloaded into npuq's cache on first use).
 
 Every configuration starts from the same float weights; one with ``rotate`` ("r1" or "r1+r2")
 first folds rotations into them (npuq.optimize.rotate, seed 0, as ``npuq quantize --rotate``
@@ -16,7 +17,8 @@ SeqMSE 50 + GPTQ (npuq's defaults for them: quantized layer inputs, act-order) w
 each rotation; ``--set recovery``: the recovery methods one by one on the builtin domain's
 recipes; ``--set calibration``: 16a8w (plain and rotated r1), 16a4w, 16a4w_block and
 16a4w_mixed (rotated r1, SeqMSE + GPTQ) calibrated on the builtin calib split alone or half
-and half with other prose (Milton's Areopagitica, bench/corpora.py; never scored). Writes JSON:
+and half with other prose (``builtin+prose``: the calib split of ``prose`` is Milton's
+Areopagitica, never scored). Writes JSON:
 
     .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 2048] [--eval-tokens 4096] [--out FILE]
 """
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -44,9 +45,6 @@ from npuq.data.corpora import corpus_tokens
 from npuq.optimize.recovery import optimize_for_recipe
 from npuq.optimize.rotate import rotate_model
 from npuq.runtime.runner import forward_logits
-
-sys.path.insert(0, str(Path(__file__).parent))
-from corpora import calibration_prose_file, prose_file  # noqa: E402  (bench/corpora.py)
 
 
 def config(label: str, recipe: str, seq_mse: int | None = None, granularity: str = "channel", rounding: str = "nearest",
@@ -87,7 +85,7 @@ CONFIGS = [
     config("16a4w_block + SeqMSE channel + GPTQ act-order, quantized inputs", "16a4w_block", 50, rounding="gptq",
            inputs="quantized", act_order=True),
 ]
-MIX = "builtin+prose"  # the builtin calib split and Areopagitica, half the tokens each
+MIX = "builtin+prose"  # the builtin calib split and Areopagitica, half the tokens each (npuq's mix)
 CALIBRATION_CONFIGS = [config(f"16a8w, calibrated on {c}", "16a8w", calib=c) for c in ("builtin", MIX)]
 CALIBRATION_CONFIGS += [config(f"16a8w, rotated r1, calibrated on {c}", "16a8w", rotate="r1", calib=c)
                         for c in ("builtin", MIX)]
@@ -131,9 +129,9 @@ def main() -> None:
         model.config = cfg
         return report
 
-    calib_specs = {"builtin": "builtin", MIX: f"builtin+file:{calibration_prose_file()}"}
+    calib_specs = {"builtin": "builtin", MIX: MIX}  # label → npuq corpus spec
     calibs = {name: corpus_tokens(tok, spec, args.calib_tokens) for name, spec in calib_specs.items()}
-    domains = {"builtin": load_corpus("builtin", "eval"), "prose": load_corpus(f"file:{prose_file()}")}
+    domains = {"builtin": load_corpus("builtin", "eval"), "prose": load_corpus("prose", "eval")}
 
     def evaluate(logits_fn, row):
         """Score every domain into ``row``: metrics per domain, and ratios to the float row."""
@@ -180,7 +178,8 @@ def main() -> None:
     load_weights(None)
     result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
               "eval_tokens": args.eval_tokens, "calibration": calib_specs,
-              "domains": {"builtin": "builtin eval split", "prose": f"file:{prose_file()} (bench/corpora.py)"},
+              "domains": {"builtin": "builtin eval split",
+                          "prose": "prose eval split (the 1911 Britannica article on Shakespeare)"},
               "threads": torch.get_num_threads(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, result)

@@ -167,8 +167,9 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                    help=f"built-in recipe ({', '.join(RECIPES)}) or a JSON file of rules; --scheme replaces its "
                         "default (default: the model's built-in recipe)")
     p.add_argument("--calib-corpus", default="builtin", metavar="C",
-                   help="corpus whose calib split is the calibration text: builtin, file:PATH, wikitext2, or a mix joined by "
-                        "'+' that takes an equal share of tokens from each, e.g. builtin+file:mine.txt (default: builtin)")
+                   help="corpus whose calib split is the calibration text: builtin, file:PATH, wikitext2, prose "
+                        "(Milton's Areopagitica, downloaded on first use), or a mix joined by '+' that takes an equal "
+                        "share of tokens from each, e.g. builtin+prose or builtin+file:mine.txt (default: builtin)")
     p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N",
                    help="calibration tokens (whole windows of --context, plus one shorter tail) (default 4096)")
     p.add_argument("--context", type=_context, default=512, metavar="L",
@@ -450,10 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--corpus", default="builtin", metavar="C",
                    help="builtin (Python's own documentation, offline), file:PATH (.txt = one document, "
-                        ".jsonl = {\"text\": ...} per line) or wikitext2 (needs the datasets library) "
-                        "(default: builtin)")
+                        ".jsonl = {\"text\": ...} per line), wikitext2 (needs the datasets library), prose "
+                        "(English prose of another domain, downloaded on first use) or a '+' mix (default: builtin)")
     p.add_argument("--split", choices=("eval", "calib"), default="eval",
-                   help="which half of builtin / wikitext2 (test / train) to score; files have no split (default: eval)")
+                   help="which half of builtin / wikitext2 (test / train) / prose (the 1911 Britannica article on "
+                        "Shakespeare / Milton's Areopagitica) to score; files have no split (default: eval)")
     p.add_argument("--context", type=_nonneg_int, default=512, metavar="L",
                    help="tokens per window, 2 to the model's limit (default 512)")
     budget = p.add_mutually_exclusive_group()
@@ -538,8 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     _add_quantize_options(p)
     p.add_argument("--eval-corpus", default="builtin", metavar="C",
-                   help="evaluation text (its eval split, disjoint from calib): builtin, file:PATH, wikitext2 or a '+' mix "
-                        "(default: builtin)")
+                   help="evaluation text (its eval split, disjoint from calib): builtin, file:PATH, wikitext2, prose or a "
+                        "'+' mix (default: builtin)")
     p.add_argument("--eval-tokens", type=_pos_int, default=4096, metavar="N",
                    help="tokens scored in each evaluation (float, quantized, exported) (default 4096)")
     _add_target_options(p)

