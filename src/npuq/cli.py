@@ -300,8 +300,8 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
         with ctx.scope("prefill") as threads:
             result = evaluate_perplexity(programs.logits, loaded.tokenizer, documents, options.context,
-                                         batch_size=programs.batch, mixed=True, max_docs=options.max_docs, max_tokens=options.max_tokens, progress=True,
-                                         device=ctx.device)
+                                         batch_size=programs.batch, mixed=True, max_docs=options.max_docs,
+                                         max_tokens=options.max_tokens, progress=True, device=ctx.device)
         result = replace(result, graphs=programs.describe(), threads=threads)
     else:  # whole windows: the calibrate phase's shape
         loaded = load_model(args.model, max_context=options.context if options.context > DEFAULT_MAX_CONTEXT else None)

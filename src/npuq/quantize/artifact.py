@@ -3,7 +3,7 @@
     DIR/decode.json          converted decode program (AR-1): its graph, as JSON
     DIR/prefill.json         converted prefill program (AR-N), same encodings
     DIR/scoring.json         the prefill program at batch 4, which ``npuq eval`` scores text with
-                             (absent from artifacts of npuq 0.x before it: they score row by row)
+                             (artifacts written before it existed lack it and score row by row)
     DIR/weights.safetensors  the tensors of the programs, once (they share every weight)
     DIR/encodings.json       per-tensor encodings (npuq.calibrate.encodings)
     DIR/config.json          every option, the recipe and what it matched, versions, the sha256 of
