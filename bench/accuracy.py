@@ -38,7 +38,7 @@ from npuq.calibrate.split import split_windows
 from npuq.data import load_corpus
 from npuq.eval.perplexity import evaluate_perplexity
 from npuq.models import load_model
-from npuq.quantize.pt2e import fold_constant_dequant, quantize_model
+from npuq.quantize.pt2e import SCORING_BATCH, fold_constant_dequant, quantize_model
 from npuq.quant.recipe import ROTATIONS, load_recipe
 from npuq.quantize.stage import ROTATION_SEED
 from npuq.data.corpora import corpus_tokens
@@ -133,11 +133,13 @@ def main() -> None:
     calibs = {name: corpus_tokens(tok, spec, args.calib_tokens) for name, spec in calib_specs.items()}
     domains = {"builtin": load_corpus("builtin", "eval"), "prose": load_corpus("prose", "eval")}
 
-    def evaluate(logits_fn, row):
-        """Score every domain into ``row``: metrics per domain, and ratios to the float row."""
+    def evaluate(logits_fn, row, batch_size=1):
+        """Score every domain into ``row``: metrics per domain, and ratios to the float row.
+        ``batch_size`` > 1: windows of mixed lengths per call (the QDQ programs' scoring program)."""
         row["domains"] = {}
         for name, docs in domains.items():
-            r = evaluate_perplexity(logits_fn, tok, docs, args.context, max_tokens=args.eval_tokens)
+            r = evaluate_perplexity(logits_fn, tok, docs, args.context, max_tokens=args.eval_tokens,
+                                    batch_size=batch_size, mixed=batch_size > 1)
             m = {k: getattr(r, k) for k in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens", "seconds")}
             if rows:
                 base = rows[0]["domains"][name]
@@ -172,9 +174,10 @@ def main() -> None:
         row["optimize_seconds"] = time.perf_counter() - start
         qm = quantize_model(model, recipe, calibs[spec["calib"]], context=args.context, weight_scales=scales)
         row["quantize_seconds"] = sum(qm.stats[k] for k in ("prepare_seconds", "calibration_seconds", "convert_seconds"))
-        qm.decode, qm.prefill = fold_constant_dequant(qm.decode), fold_constant_dequant(qm.prefill)  # same numbers, faster
+        folded: dict = {}  # one float copy of the weights for all programs: same numbers, faster
+        qm.decode, qm.prefill, qm.scoring = (fold_constant_dequant(gm, folded) for gm in (qm.decode, qm.prefill, qm.scoring))
         with torch.no_grad():
-            evaluate(qm.logits, row)
+            evaluate(qm.logits, row, SCORING_BATCH)  # four windows per call, as npuq eval --artifact
     load_weights(None)
     result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
               "eval_tokens": args.eval_tokens, "calibration": calib_specs,
