@@ -229,8 +229,8 @@ class Job:
             programs = self.artifact_programs() if of == "quantize" else self.export_programs()
             with ctx.scope("prefill"):  # prefill chunks
                 result = evaluate_perplexity(programs.to(ctx.device).logits, self.tokenizer, self.documents,
-                                             e.context, batch_size=programs.batch, mixed=True, max_tokens=e.max_tokens, progress=ctx.progress,
-                                             device=ctx.device)
+                                             e.context, batch_size=programs.batch, mixed=True,
+                                             max_tokens=e.max_tokens, progress=ctx.progress, device=ctx.device)
             return replace(result, graphs=programs.describe())
 
         inputs = {**base, "options": to_json(e), "of": self.keys[of] if of else "float", "device": str(ctx.device)}

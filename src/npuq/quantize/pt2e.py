@@ -10,8 +10,9 @@ that prepared graph's own observers:
 
 It is converted once, and the converted graph is specialised to the two static programs a
 device runs, decode (AR-1) and prefill (AR-N) at batch 1 (:func:`specialize`), and to the
-prefill program at batch SCORING_BATCH that scores text, all sharing the converted weights. Decode and prefill therefore have identical encodings by construction, and
-each KV-cache input shares its observer with the matching K/V output (see
+prefill program at batch SCORING_BATCH that scores text, all sharing the converted weights.
+Decode and prefill therefore have identical encodings by construction, and each KV-cache input
+shares its observer with the matching K/V output (see
 npuq.quant.quantizer), so the encoding of a cache input equals that of the cache output the
 runner copies into it. The result is the one the three-graph flow gave (a graph per mode,
 observer state copied node by node from the calibrate graph into decode and prefill), bit for
