@@ -9,6 +9,7 @@ User errors (:class:`npuq.errors.NpuqError`) print one line and exit with status
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from typing import Any, Callable
@@ -74,7 +75,8 @@ def _stay_offline(environ: Any = None) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE ('-' for stdout)")
+    p.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE ('-': standard output, "
+                   "which then holds the JSON alone; the summary goes to standard error)")
     p.add_argument("--debug", action="store_true", help="show the Python traceback on errors")
 
 
@@ -578,7 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], dict[str, Any]] = args.func
     previous = _terminate_as_interrupt()
     try:
-        result = func(args)
+        if args.json == "-":  # standard output holds the JSON alone; the human summary goes to stderr
+            with contextlib.redirect_stdout(sys.stderr):
+                result = func(args)
+        else:
+            result = func(args)
         if args.json:
             from npuq.fsio import write_json
 

@@ -61,7 +61,9 @@ def test_eval_builtin_with_a_token_budget_and_threads(tiny_model, capsys):
     before = torch.get_num_threads()
     argv = ["eval", "--model", "tiny", "--context", "32", "--max-tokens", "40", "--num-threads", "1", "--json", "-"]
     assert cli.main(argv) == 0
-    result = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    out, err = capsys.readouterr()
+    result = json.loads(out)  # standard output holds the JSON alone
+    assert "word perplexity" in err  # the summary line went to standard error
     assert result["tokens"] == 40 and result["corpus"] == "builtin" and result["split"] == "eval"
     assert result["threads"] == 1 and torch.get_num_threads() == before
 
