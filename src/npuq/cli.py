@@ -282,7 +282,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     from npuq.data import load_corpus
     from npuq.data.corpora import replaced_characters
-    from npuq.eval.perplexity import EvalOptions, check_context, evaluate_model, evaluate_perplexity
+    from npuq.eval.perplexity import EvalOptions, check_context, evaluate_model
     from npuq.models import DEFAULT_MAX_CONTEXT, load_model
     from npuq.records import to_json
     from npuq.runtime.workloads import windows_per_forward
@@ -301,10 +301,9 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         programs.to(ctx.device)
         ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
         with ctx.scope("prefill") as threads:
-            result = evaluate_perplexity(programs.logits, loaded.tokenizer, documents, options.context,
-                                         batch_size=programs.batch, mixed=True, max_docs=options.max_docs,
-                                         max_tokens=options.max_tokens, progress=True, device=ctx.device)
-        result = replace(result, graphs=programs.describe(), threads=threads)
+            result = programs.evaluate(loaded.tokenizer, documents, options.context, max_docs=options.max_docs,
+                                       max_tokens=options.max_tokens, progress=True, device=ctx.device)
+        result = replace(result, threads=threads)
     else:  # whole windows: the calibrate phase's shape
         loaded = load_model(args.model, max_context=options.context if options.context > DEFAULT_MAX_CONTEXT else None)
         check_context(options.context, loaded.config.max_position_embeddings)

@@ -30,7 +30,7 @@ from npuq.data import load_corpus
 from npuq.data.corpora import corpus_tokens
 from npuq.errors import NpuqError
 from npuq.eval.layers import layer_errors
-from npuq.eval.perplexity import EvalOptions, EvalResult, evaluate_model, evaluate_perplexity
+from npuq.eval.perplexity import EvalOptions, EvalResult, evaluate_model
 from npuq.fsio import atomic_dir, write_json, write_text
 from npuq.lower.export import ExportOptions, ExportResult, export_artifact
 from npuq.pipeline.programs import Programs, open_programs
@@ -228,10 +228,9 @@ class Job:
                     self.loaded.model.to("cpu")  # the later stages run it on the CPU
             programs = self.artifact_programs() if of == "quantize" else self.export_programs()
             with ctx.scope("prefill"):  # prefill chunks
-                result = evaluate_perplexity(programs.to(ctx.device).logits, self.tokenizer, self.documents,
-                                             e.context, batch_size=programs.batch, mixed=True,
-                                             max_tokens=e.max_tokens, progress=ctx.progress, device=ctx.device)
-            return replace(result, graphs=programs.describe())
+                return programs.to(ctx.device).evaluate(self.tokenizer, self.documents, e.context,
+                                                        max_tokens=e.max_tokens, progress=ctx.progress,
+                                                        device=ctx.device)
 
         inputs = {**base, "options": to_json(e), "of": self.keys[of] if of else "float", "device": str(ctx.device)}
         self.stage(name, inputs, build, EvalResult)

@@ -10,13 +10,14 @@ ONNX sessions run on their provider and take CPU tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from npuq.errors import NpuqError
+from npuq.eval.perplexity import EvalResult, evaluate_perplexity
 from npuq.models.config import ModelConfig
 from npuq.runtime.runner import run_programs
 
@@ -52,6 +53,13 @@ class Programs:
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return run_programs(self.config, self.graphs, self.context, tokens, self.scoring)
+
+    def evaluate(self, tokenizer: Any, documents: Any, context: int, **options: Any) -> EvalResult:
+        """:func:`npuq.eval.perplexity.evaluate_perplexity` of these graphs, :attr:`batch` windows
+        of any length per call, the result naming what was scored; ``options``: that function's."""
+        result = evaluate_perplexity(self.logits, tokenizer, documents, context, batch_size=self.batch, mixed=True,
+                                     **options)
+        return replace(result, graphs=self.describe())
 
     def describe(self) -> dict[str, Any]:
         return {**self.source, "batch": self.batch}

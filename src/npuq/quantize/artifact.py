@@ -196,9 +196,9 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
     check_free_disk(final, estimate_artifact_bytes(qm, encodings_text), f"the artifact {final}")
     with atomic_dir(final) as tmp:
         cfg = qm.config
-        programs = {1: ("decode", qm.decode), qm.prefill_len: ("prefill", qm.prefill)}
-        entries = {kind: ProgramEntry(PROGRAMS[kind], ar_len) for ar_len, (kind, _) in programs.items()}
-        graphs = {kind: gm for kind, gm in programs.values()}
+        graphs = {"decode": qm.decode, "prefill": qm.prefill}
+        entries = {"decode": ProgramEntry(PROGRAMS["decode"], 1),
+                   "prefill": ProgramEntry(PROGRAMS["prefill"], qm.prefill_len)}
         if qm.scoring is not None:
             graphs[SCORING] = qm.scoring
             entries[SCORING] = ProgramEntry(SCORING_FILE, qm.prefill_len, tokens_shape(qm.scoring)[0])

@@ -280,9 +280,10 @@ def forget_graphs() -> None:
     getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
 
 
+_QUANTIZE_PER_CHANNEL = torch.ops.quantized_decomposed.quantize_per_channel.default
 _QUANT_OPS = (torch.ops.quantized_decomposed.quantize_per_tensor.default,
               torch.ops.quantized_decomposed.quantize_per_tensor.tensor,
-              torch.ops.quantized_decomposed.quantize_per_channel.default,
+              _QUANTIZE_PER_CHANNEL,
               torch.ops.torchao.quantize_affine)
 _DEQUANT_OPS = (torch.ops.quantized_decomposed.dequantize_per_channel.default,
                 torch.ops.quantized_decomposed.dequantize_per_tensor.default,
@@ -306,7 +307,7 @@ def _quantize_per_channel(x: torch.Tensor, scales: torch.Tensor, zero_points: to
     product by 1/scale, round half to even, zero point, clamp), in place on one float copy
     instead of four: half the time of the weight quantization a convert does."""
     if x.dtype != torch.float32:
-        return _QUANT_OPS[2](x, scales, zero_points, axis, quant_min, quant_max, dtype)
+        return _QUANTIZE_PER_CHANNEL(x, scales, zero_points, axis, quant_min, quant_max, dtype)
     shape = [1] * x.dim()
     shape[axis] = -1
     codes = x * (1.0 / scales).view(shape)
@@ -348,7 +349,7 @@ def fold_quantized_constants(gm: GraphModule) -> None:
             else:
                 args = torch.fx.node.map_arg(node.args, value)
                 kwargs = torch.fx.node.map_arg(node.kwargs, value)
-                fn = _quantize_per_channel if node.target == _QUANT_OPS[2] and not kwargs else node.target
+                fn = _quantize_per_channel if node.target == _QUANTIZE_PER_CHANNEL and not kwargs else node.target
                 values[node] = fn(*args, **kwargs)
         return values[node]
 

@@ -255,8 +255,7 @@ def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens:
             rows.append(runner.feed_rows(padded)[: group.shape[0]])
             start += group.shape[0]
     for row in tokens[start:]:
-        runner = StaticRunner(cfg, graphs, context, device=tokens.device)
-        rows.append(runner.feed(row.tolist()))
+        rows.append(StaticRunner(cfg, graphs, context, device=tokens.device).feed_rows(row[None]))
     return torch.cat(rows, dim=0)
 
 
