@@ -254,8 +254,8 @@ def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens:
             runner = StaticRunner(cfg, {prefill_len: batched}, context, batch=size, device=tokens.device)
             rows.append(runner.feed_rows(padded)[: group.shape[0]])
             start += group.shape[0]
-    for row in tokens[start:]:
-        rows.append(StaticRunner(cfg, graphs, context, device=tokens.device).feed_rows(row[None]))
+    for row in tokens[start:]:  # a fresh tensor per row: torch's lazy backend (the device tests) breaks on row views
+        rows.append(StaticRunner(cfg, graphs, context, device=tokens.device).feed(row.tolist()))
     return torch.cat(rows, dim=0)
 
 
