@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 from npuq.calibrate.encodings import collect_encodings
@@ -295,10 +296,33 @@ _DEQUANT_OPS = (torch.ops.quantized_decomposed.dequantize_per_channel.default,
 def convert(prepared: GraphModule) -> GraphModule:
     """``convert_pt2e`` with its weight folding done by :func:`fold_quantized_constants`, which
     gives the same graph without computing what it then throws away, and without the tensors
-    no node reads any more (:func:`drop_unused_tensors`)."""
-    converted = convert_pt2e(prepared, fold_quantize=False)
-    fold_quantized_constants(converted)
-    return drop_unused_tensors(converted)
+    no node reads any more (:func:`drop_unused_tensors`).
+
+    The result is a lazy GraphModule: its Python code is generated on its first call, and none
+    is generated on the way (:func:`_codegen_deferred`)."""
+    with _codegen_deferred():
+        converted = convert_pt2e(prepared, fold_quantize=False)
+        fold_quantized_constants(converted)
+        converted = drop_unused_tensors(converted)
+    return _LazyGraphModule(converted, converted.graph)
+
+
+@contextlib.contextmanager
+def _codegen_deferred() -> Iterator[None]:
+    """No GraphModule generates its Python code inside: ``recompile`` does nothing.
+
+    convert_pt2e and the folding after it would generate the code of the whole graph five times
+    (after torchao's passes, in every GraphModule it builds, after the folding), 1.0 s of the
+    2.5 s convert of SmolLM2-135M, and nothing runs these modules in between: only the graph is read,
+    and the result is rebuilt as a lazy GraphModule. Deferring is safe as long as nothing calls
+    a module built inside; the programs convert gives are checked bit for bit against torchao's
+    own convert (tests/quant/test_quant_onegraph.py)."""
+    real = GraphModule.recompile
+    GraphModule.recompile = lambda self: None  # type: ignore[method-assign, assignment, return-value]
+    try:
+        yield
+    finally:
+        GraphModule.recompile = real  # type: ignore[method-assign]
 
 
 def _quantize_per_channel(x: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, axis: int,
@@ -429,7 +453,6 @@ def specialize(gm: GraphModule, inputs: Sequence[torch.Tensor]) -> GraphModule:
         if isinstance(val, torch.Tensor):
             copy.meta["val"] = torch.empty(tuple(concrete(d) for d in val.shape), dtype=val.dtype, device="meta")
         env[node] = copy
-    from torch.fx._lazy_graph_module import _LazyGraphModule
     from torch.fx.graph import CodeGen
 
     static._codegen = CodeGen()  # plain positional inputs and a tuple of outputs
