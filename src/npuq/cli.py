@@ -301,7 +301,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         programs.to(ctx.device)
         ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
         with ctx.scope("prefill") as threads:
-            result = programs.evaluate(loaded.tokenizer, documents, options.context, max_docs=options.max_docs,
+            result = programs.evaluate(loaded.encoder, documents, options.context, max_docs=options.max_docs,
                                        max_tokens=options.max_tokens, progress=True, device=ctx.device)
         result = replace(result, threads=threads)
     else:  # whole windows: the calibrate phase's shape

@@ -50,6 +50,14 @@ def gguf(ggufs, tmp_path):
     return path
 
 
+@pytest.fixture
+def bpe_gguf(tmp_path):
+    """A tiny Llama GGUF with a byte-level BPE tokenizer (SmolLM2's kind) that encodes any text."""
+    path = tmp_path / "bpe.gguf"
+    write_tiny_llama_gguf(path, tiny_hf_model("llama", seed=0), tokenizer="bpe")
+    return path
+
+
 def _uncached(path, monkeypatch):
     with monkeypatch.context() as m:
         m.setenv(gguf_cache.DISABLE_VARIABLE, "1")
@@ -171,6 +179,8 @@ def _corrupt(kind, entry):
         resave(tensors)
     elif kind == "edited tokenizer":
         (entry / "tokenizer.json").write_text("{}")
+    elif kind == "edited light tokenizer":
+        (entry / gguf_cache.FAST_TOKENIZER).write_text("{}")
     elif kind == "missing manifest":
         (entry / gguf_cache.MANIFEST).unlink()
     elif kind == "garbage manifest":
@@ -187,7 +197,7 @@ def _corrupt(kind, entry):
 
 @pytest.mark.parametrize("kind", [
     "missing weights", "truncated weights", "unreadable weights (size kept)", "shape mismatch", "missing tensor",
-    "NaN weight", "edited tokenizer", "missing manifest", "garbage manifest", "bad model_config",
+    "NaN weight", "edited tokenizer", "edited light tokenizer", "missing manifest", "garbage manifest", "bad model_config",
     "manifest names a file outside",
 ])
 def test_a_damaged_entry_is_rebuilt_with_one_warning(cache, gguf, monkeypatch, caplog, kind):
@@ -274,12 +284,84 @@ def test_a_tokenizer_damaged_after_the_load_comes_from_the_gguf(cache, gguf, mon
     assert tokenizer.get_vocab() == reference._tokenizer_factory().get_vocab()
 
 
-def test_a_cached_load_imports_neither_transformers_nor_dynamo(cache, gguf):
-    load_model(str(gguf))
+def test_a_cached_load_and_encoding_import_neither_transformers_nor_dynamo(cache, bpe_gguf, monkeypatch):
+    expected = _uncached(bpe_gguf, monkeypatch).tokenizer.encode("the end", add_special_tokens=False)
+    load_model(str(bpe_gguf))
     code = ("import sys; from npuq.models import load_model; m = load_model(sys.argv[1]); "
             "assert type(m.hf_config).__name__ == 'CachedHFConfig'; "
+            "assert type(m.encoder).__name__ == 'CachedEncoder'; print(m.encoder.encode('the end')); "
             "print(sorted(n for n in ('transformers', 'torch._dynamo', 'gguf') if n in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", code, str(bpe_gguf)], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "NPUQ_CACHE_DIR": str(cache.parent)})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.split("\n")[:2] == [str(expected), "[]"]
+
+
+def _texts_to_encode():
+    from npuq.data import load_corpus
+
+    return TEXTS + [gguf_cache._PROBE] + [d.target for split in ("calib", "eval") for d in load_corpus("builtin", split)]
+
+
+def test_the_cached_encoder_encodes_and_decodes_as_the_tokenizer(cache, bpe_gguf, monkeypatch):
+    reference = _uncached(bpe_gguf, monkeypatch).tokenizer
+    load_model(str(bpe_gguf))
+    _gguf_not_read(monkeypatch)
+    encoder = load_model(str(bpe_gguf)).encoder
+    assert isinstance(encoder, gguf_cache.CachedEncoder)
+    assert (encoder.bos_token_id, encoder.eos_token_id, len(encoder)) == (
+        reference.bos_token_id, reference.eos_token_id, len(reference))
+    for text in _texts_to_encode():
+        ids = reference.encode(text, add_special_tokens=False)
+        assert len(ids) >= len(text.encode()) // 4  # this tokenizer encodes everything
+        assert encoder.encode(text) == ids
+        assert encoder.decode(ids[:50]) == reference.decode(ids[:50])
+    from npuq.data.corpora import corpus_tokens
+
+    assert corpus_tokens(encoder, "builtin", 3000) == corpus_tokens(reference, "builtin", 3000)
+    with pytest.raises(ValueError, match="without special tokens"):
+        encoder.encode("hi", add_special_tokens=True)
+
+
+@pytest.mark.parametrize("difference", ["splits special tokens", "cleans up decoded spaces", "encodes otherwise"])
+def test_no_light_encoder_when_the_tokenizer_does_more_than_its_pipeline(cache, bpe_gguf, monkeypatch, difference):
+    from transformers import AutoTokenizer
+
+    real = AutoTokenizer.from_pretrained
+
+    def different(*args, **kwargs):
+        tokenizer = real(*args, **kwargs)
+        if difference == "splits special tokens":
+            tokenizer.split_special_tokens = True
+        elif difference == "cleans up decoded spaces":
+            tokenizer.clean_up_tokenization_spaces = True
+        else:
+            encode = tokenizer.encode
+            tokenizer.encode = lambda text, **kw: encode(text, **kw)[::-1]
+        return tokenizer
+
+    with monkeypatch.context() as m:
+        m.setattr(AutoTokenizer, "from_pretrained", different)
+        load_model(str(bpe_gguf))
+    (sha,) = _entries(cache)
+    assert json.loads((cache / sha / gguf_cache.MANIFEST).read_text())["fast_tokenizer"] is None
+    assert not (cache / sha / gguf_cache.FAST_TOKENIZER).exists()
+    loaded = load_model(str(bpe_gguf))
+    assert loaded.encoder is loaded.tokenizer  # the transformers tokenizer serves
+
+
+def test_a_qwen2_gguf_tokenizes_the_same_from_the_gguf_and_from_the_cache(cache, monkeypatch, tmp_path):
+    """transformers adds Qwen2's NFC normalizer only when it loads a tokenizer from files, so a
+    decomposed accent ("cafe" + U+0301) used to be 3 tokens on the converting load, 2 after."""
+    path = tmp_path / "qwen2.gguf"
+    write_tiny_llama_gguf(path, tiny_hf_model("qwen2", seed=0), tokenizer="bpe")
+    text = "cafe\u0301 u\u0308ber"
+    uncached = _uncached(path, monkeypatch).tokenizer
+    first = load_model(str(path))
+    _gguf_not_read(monkeypatch)
+    cached = load_model(str(path))
+    nfc = uncached.encode("caf\u00e9 \u00fcber", add_special_tokens=False)
+    assert isinstance(cached.encoder, gguf_cache.CachedEncoder) and cached.encoder.encode(text) == nfc
+    for loaded in (first, cached):
+        assert loaded.tokenizer.encode(text, add_special_tokens=False) == nfc
+    assert uncached.encode(text, add_special_tokens=False) == nfc

@@ -73,3 +73,26 @@ def test_the_cached_load_is_bit_identical_to_the_conversion(loaded, monkeypatch)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert cached.tokenizer(PROMPT)["input_ids"] == converted.tokenizer(PROMPT)["input_ids"]
     assert cached.hf_config.eos_token_id == converted.hf_config.eos_token_id
+
+
+def test_the_cached_encoder_gives_the_tokenizers_ids_on_every_builtin_document(loaded):
+    """What quantize and eval encode text with, from the cache, against the transformers
+    tokenizer that transformers builds from the GGUF itself."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from npuq.data import load_corpus
+    from npuq.data.corpora import corpus_tokens
+    from npuq.models import gguf_cache, load_model
+
+    path = Path(loaded.source)
+    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    encoder = load_model("smollm2-135m").encoder
+    assert isinstance(encoder, gguf_cache.CachedEncoder)
+    for split in ("calib", "eval"):
+        for doc in load_corpus("builtin", split):
+            ids = reference.encode(doc.target, add_special_tokens=False)
+            assert encoder.encode(doc.target) == ids
+            assert encoder.decode(ids[:200]) == reference.decode(ids[:200])
+    assert corpus_tokens(encoder, "builtin", 4096) == corpus_tokens(reference, "builtin", 4096)

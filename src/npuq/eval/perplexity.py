@@ -240,7 +240,7 @@ def evaluate_model(
 
     with scope_or_keep(num_threads) as threads:
         result = evaluate_perplexity(
-            lambda tokens: forward_logits(model, tokens), loaded.tokenizer, documents, context,
+            lambda tokens: forward_logits(model, tokens), loaded.encoder, documents, context,
             batch_size=batch_size, max_docs=max_docs, max_tokens=max_tokens, progress=progress, device=device,
         )
     return replace(result, graphs={"model": loaded.name}, threads=threads, device=str(device))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ __all__ = ["BUILTINS", "LoadedModel", "ModelConfig", "StaticDecoder", "load_mode
 
 DEFAULT_MAX_CONTEXT = 4096
 
+log = logging.getLogger("npuq.models")
+
 
 @dataclass
 class LoadedModel:
@@ -29,12 +32,25 @@ class LoadedModel:
     hf_config: Any  # transformers PretrainedConfig (from the GGUF cache: one that loads on first use)
     model: StaticDecoder
     _tokenizer_factory: Any
+    _encoder_factory: Any = None  # () -> a light stand-in for encoding text, or None
 
     @functools.cached_property
     def tokenizer(self) -> Any:
         tokenizer = self._tokenizer_factory()
         check_tokenizer_vocab(tokenizer, self.config.vocab_size, self.source)
         return tokenizer
+
+    @functools.cached_property
+    def encoder(self) -> Any:
+        """What encodes calibration and evaluation text (``encode`` without special tokens,
+        ``decode``, BOS/EOS ids): the GGUF cache's light stand-in for the tokenizer when there is
+        one (the same ids, without importing transformers), else the tokenizer itself."""
+        if "tokenizer" not in self.__dict__ and self._encoder_factory is not None:
+            encoder = self._encoder_factory()
+            if encoder is not None:
+                check_tokenizer_vocab(encoder, self.config.vocab_size, self.source)
+                return encoder
+        return self.tokenizer
 
     def info(self) -> dict[str, Any]:
         cfg = self.config
@@ -198,7 +214,14 @@ def _load_cached(spec: str, path: Path, entry: gguf_cache.Entry, max_context: in
             entry.discard(str(exc))
             return gguf_tokenizer(path)
 
-    return LoadedModel(spec, str(path), cfg, gguf_cache.CachedHFConfig(entry.folder), model, tokenizer)
+    def encoder() -> Any:
+        try:
+            return entry.encoder()
+        except ModelLoadError as exc:  # damaged after the load's checks: the tokenizer still serves
+            log.warning("npuq: warning: %s; encoding with the tokenizer instead", exc)
+            return None
+
+    return LoadedModel(spec, str(path), cfg, gguf_cache.CachedHFConfig(entry.folder), model, tokenizer, encoder)
 
 
 def _reason(exc: Exception) -> str:

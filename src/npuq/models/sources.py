@@ -470,11 +470,20 @@ def _gguf_config_and_tokenizer(path: Path) -> tuple[Any, Callable[[], Any]]:
 
 
 def gguf_tokenizer(path: Path) -> Any:
-    """The tokenizer transformers builds from a GGUF file's metadata."""
+    """The tokenizer transformers builds from a GGUF file's metadata, as transformers loads it
+    back once saved: the tokenizer a load from npuq's GGUF cache gives. Building from the GGUF
+    leaves out what the tokenizer class adds when it loads from files (Qwen2's NFC normalizer:
+    "cafe" + U+0301 was 3 tokens from the GGUF and 2 from the cache), so without this round
+    trip a model encoded such text one way on its first load and another way after."""
+    import tempfile
+
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        built = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        with tempfile.TemporaryDirectory(prefix="npuq-tokenizer-") as folder:
+            built.save_pretrained(folder)
+            return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as exc:
         raise ModelLoadError(
             f"{path}: the tokenizer cannot be built from the GGUF metadata ({type(exc).__name__}: {exc}); "

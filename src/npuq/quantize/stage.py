@@ -155,7 +155,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     loaded = load_model(o.model, max_context=o.context if o.context > 4096 else None)
     if o.context > loaded.config.max_position_embeddings:
         raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
-    tokens = corpus_tokens(loaded.tokenizer, documents, o.calib_tokens)
+    tokens = corpus_tokens(loaded.encoder, documents, o.calib_tokens)
     weights_sha256 = start_weights_sha256(loaded.model)  # of the float weights as loaded
     rotation = None
     if recipe.rotate is not None:  # before everything that reads the weights: the artifact holds rotated ones
