@@ -285,7 +285,6 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.eval.perplexity import EvalOptions, check_context, evaluate_model
     from npuq.models import DEFAULT_MAX_CONTEXT, load_model
     from npuq.records import to_json
-    from npuq.runtime.workloads import windows_per_forward
 
     options = EvalOptions(args.corpus, args.split, args.context, args.max_docs, args.max_tokens, args.batch_size)
     ctx = _context_of(args)  # cheap checks before the model loads
@@ -307,8 +306,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     else:  # whole windows: the calibrate phase's shape
         loaded = load_model(args.model, max_context=options.context if options.context > DEFAULT_MAX_CONTEXT else None)
         check_context(options.context, loaded.config.max_position_embeddings)
-        ctx.plan_model(loaded.model, ("calibrate",), options.context,
-                       batch=windows_per_forward(options.max_tokens, options.context, options.batch_size))
+        ctx.plan_model(loaded.model, ("calibrate",), options.context)
         result = evaluate_model(
             loaded, documents, options.context, batch_size=options.batch_size, max_docs=options.max_docs,
             max_tokens=options.max_tokens, num_threads=ctx.threads("calibrate"), progress=True, device=ctx.device,

@@ -36,7 +36,7 @@ def test_automatic_counts_are_measured_once_then_kept(monkeypatch):
     ctx = ExecutionContext.create("cpu")
     model = tiny_decoder("llama", seed=0, max_context=32)[1]
     first = ctx.plan_model(model, ("decode", "prefill"), 32, 8)
-    again = ctx.plan_model(model, ("prefill", "calibrate"), 32, 8, batch=2)
+    again = ctx.plan_model(model, ("prefill", "calibrate"), 32, 8)
     assert calls == [["decode", "prefill"], ["calibrate"]]  # prefill was planned once
     assert again.threads["prefill"] == first.threads["prefill"]
     assert set(first.sources.values()) <= {"auto", "cache"}

@@ -39,7 +39,7 @@ from npuq.quantize.stage import QuantizeOptions, QuantizeResult, check_quantize,
 from npuq.records import from_json, to_json
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.generate import generate
-from npuq.runtime.workloads import PHASES, phase_workload, windows_per_forward
+from npuq.runtime.workloads import PHASES, phase_workload
 from npuq.threads import cpu_limits, cpu_model, tune_cached
 
 PROMPTS = (
@@ -180,14 +180,11 @@ class Job:
     def threads(self, base: dict[str, Any]) -> None:
         q = self.options.quantize
 
-        batch = windows_per_forward(q.calib_tokens, q.context, q.batch_size)  # calibration's forwards
-
         def build(_folder: Path) -> ThreadsResult:
             limits = cpu_limits()
             sweeps = []
             for phase in PHASES:
-                workload = phase_workload(self.loaded.model, phase, q.context, q.prefill_len if phase == "prefill" else None,
-                                          batch if phase == "calibrate" else 1)
+                workload = phase_workload(self.loaded.model, phase, q.context, q.prefill_len if phase == "prefill" else None)
                 sweeps.append(tune_cached(phase, workload, ceiling=limits.ceiling).to_dict())
             return ThreadsResult(limits.ceiling, limits.affinity, limits.quota,
                                  {s["phase"]: s["best"] for s in sweeps}, tuple(sweeps))
@@ -195,7 +192,7 @@ class Job:
         limits = cpu_limits()  # the CPUs this process may use now: a new taskset or quota is a new plan
         cpus = {"ceiling": limits.ceiling, "affinity": limits.affinity, "quota": limits.quota, "model": cpu_model()}
         result = self.stage("threads", {**base, "context": q.context, "prefill_len": q.prefill_len,
-                                        "batch_size": batch, "cpus": cpus, "torch": torch.__version__},
+                                        "cpus": cpus, "torch": torch.__version__},
                             build, ThreadsResult)
         self.ctx.adopt(result.plan)
 

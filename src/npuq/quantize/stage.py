@@ -21,7 +21,6 @@ from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
 from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS
 from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
 from npuq.runtime.context import ExecutionContext
-from npuq.runtime.workloads import windows_per_forward
 
 GRANULARITIES = ("channel", "layer")
 ROTATION_SEED = 0  # the random signs of the Hadamard matrices: fixed, so a rerun quantizes alike
@@ -167,8 +166,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         rotation = rotate_model(loaded.model, seed=ROTATION_SEED, r1=r1, r2=r2)
         if ctx.progress:
             print(rotation.describe(), file=sys.stderr, flush=True)
-    batch = windows_per_forward(len(tokens), o.context, o.batch_size)  # the calibration forwards' shape
-    plan = ctx.plan_model(loaded.model, (o.phase,), o.context, batch=batch)
+    plan = ctx.plan_model(loaded.model, (o.phase,), o.context)
     weight_scales, optimized = None, None
     if o.recovers:
         from npuq.calibrate.split import split_windows
