@@ -154,6 +154,43 @@ def test_lpbq_and_pcq_run_on_htp(pcq_artifact, tmp_path):
     assert got <= bound
 
 
+@pytest.mark.parametrize("which", ["16a8w", "LPBQ weights and a PCQ embedding"])
+def test_cpu_graphs_dequantize_their_weights_once_bit_for_bit(exported, pcq_artifact, tmp_path, which):
+    """load_export's CPU graphs feed weights dequantized once by ONNX Runtime's own
+    DequantizeLinear: every output equals the unchanged graph's, bit for bit, on the same
+    (random) inputs; no DequantizeLinear of constants is left; the two graphs share one copy."""
+    import numpy as np
+    import onnx
+
+    from npuq.lower.ort import cpu_session, dequantized_weights
+
+    if which == "16a8w":
+        out = exported[1]
+    else:
+        out = tmp_path / "out"
+        export_artifact(pcq_artifact, out, ExportOptions(qnn_version="2.51", htp_arch=73))
+    _, graphs = load_export(out, "cpu")
+    rng = np.random.default_rng(0)
+    dtypes = {"float": np.float32, "int64": np.int64, "int32": np.int32, "uint16": np.uint16, "int16": np.int16,
+              "uint8": np.uint8, "int8": np.int8}
+    for graph in graphs.values():
+        plain = cpu_session(out / graph.file)
+        feeds = {i.name: rng.integers(0, 8, [d if isinstance(d, int) else 1 for d in i.shape]).astype(
+                     dtypes[i.type.removeprefix("tensor(").removesuffix(")")]) for i in plain.get_inputs()}
+        names = [o.name for o in plain.get_outputs()]
+        want, got = plain.run(names, feeds), graph.session.run(names, feeds)
+        assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+        original = onnx.load(str(out / graph.file))
+        constants = {i.name for i in original.graph.initializer}
+        weight_dq = [n for n in original.graph.node if n.op_type == "DequantizeLinear" and set(n.input) <= constants]
+        model, weights = dequantized_weights(original, {})
+        assert weight_dq and set(weights) == {n.output[0] for n in weight_dq}
+        constants = {i.name for i in model.graph.initializer}
+        assert not [n for n in model.graph.node if n.op_type == "DequantizeLinear" and set(n.input) <= constants]
+    a, b = (g.session._weights for g in graphs.values())
+    assert a.keys() == b.keys() and all(a[k] is b[k] for k in a)  # one float copy for both graphs
+
+
 @pytest.mark.parametrize("provider", ["cpu", "htp"])
 def test_uint8_kv_runs_on_htp(tmp_path_factory, tmp_path, provider):
     """A 16a8w recipe with "kv_bits": 8 (the cache onnxruntime-genai's NPU path needs): the V
