@@ -365,3 +365,18 @@ def test_a_qwen2_gguf_tokenizes_the_same_from_the_gguf_and_from_the_cache(cache,
     for loaded in (first, cached):
         assert loaded.tokenizer.encode(text, add_special_tokens=False) == nfc
     assert uncached.encode(text, add_special_tokens=False) == nfc
+
+
+def test_a_conversion_parses_the_gguf_once(cache, bpe_gguf, monkeypatch):
+    """npuq's reader serves transformers' config and tokenizer builders too (each parsed the
+    file again: 1.8 s apiece for SmolLM2-135M); the gguf module is left as it was."""
+    import gguf
+    from gguf.gguf_reader import GGUFReader
+
+    parses = []
+    real = GGUFReader._build_fields
+    monkeypatch.setattr(GGUFReader, "_build_fields", lambda self, *a, **k: parses.append(1) or real(self, *a, **k))
+    loaded = load_model(str(bpe_gguf))
+    assert len(parses) == 1
+    assert gguf.GGUFReader is GGUFReader
+    assert loaded.tokenizer.encode("the end", add_special_tokens=False)  # built from the shared reader

@@ -6,6 +6,7 @@ unpickled: ``.bin``/``.pt`` checkpoints are refused. Nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -14,7 +15,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -426,7 +427,8 @@ def read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], An
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on bad bytes
         raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {exc}") from None
-    hf_config, tokenizer = _gguf_config_and_tokenizer(path)
+    with _reader_shared(path, reader):
+        hf_config, tokenizer = _gguf_config_and_tokenizer(path)
     model_type = getattr(hf_config, "model_type", None)
     arch = SUPPORTED_MODEL_TYPES.get(model_type)
     if arch is None:
@@ -449,6 +451,28 @@ def read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], An
         tensors[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
 
     return hf_config, tensors, tokenizer
+
+
+@contextlib.contextmanager
+def _reader_shared(path: Path, reader: Any) -> Iterator[None]:
+    """Inside, transformers' GGUF loading takes ``reader`` for ``path`` instead of parsing the
+    file again. AutoConfig and AutoTokenizer each build a gguf.GGUFReader of the file (1.8 s
+    apiece for SmolLM2-135M, most of it reading the 49k-token vocabulary item by item), and
+    the reader holds nothing a reading changes."""
+    import gguf
+
+    real, target = gguf.GGUFReader, path.resolve()
+
+    def shared(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and Path(file).resolve() == target:
+            return reader
+        return real(file, *args, **kwargs)
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 def _gguf_config_and_tokenizer(path: Path) -> tuple[Any, Callable[[], Any]]:
