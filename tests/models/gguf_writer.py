@@ -33,8 +33,8 @@ def _bpe_tokens(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     """SmolLM2's layout at a tiny size: two control tokens, the byte alphabet less the rarest
     control bytes, then one token per merge; exactly ``vocab_size`` tokens."""
     chars = _byte_chars()
-    dropped = vocab_size - 2 - len(_MERGES)  # bytes kept
-    rare = [b for b in range(32) if b not in (9, 10, 13)][: 256 - dropped]
+    kept = vocab_size - 2 - len(_MERGES)  # byte tokens
+    rare = [b for b in range(32) if b not in (9, 10, 13)][: 256 - kept]
     alphabet = [chars[b] for b in range(256) if b not in rare]
     tokens = ["<|endoftext|>", "<|im_end|>", *alphabet, *(m.replace(" ", "") for m in _MERGES)]
     assert len(tokens) == vocab_size and len(set(tokens)) == vocab_size
@@ -87,7 +87,7 @@ def write_tiny_llama_gguf(path, hf_model, tokenizer: str = "llama") -> None:
             name = name.replace(hf, gg)
         name = name.replace("layers.", "blk.")
         data = value.numpy().astype(np.float32)
-        if arch == "qwen2":
+        if arch != "llama":
             pass  # llama.cpp permutes q/k rows for llama only
         elif name.endswith("attn_q.weight"):
             data = _permute(data, c.num_attention_heads)

@@ -296,54 +296,54 @@ def _open_cpu(path: Path, weights: dict):
         raise NpuqError(f"{path}: ONNX Runtime cannot open it ({exc}); export the artifact again") from None
 
 
-_FOLD_CHUNK_BYTES = 256 << 20  # weight codes dequantized per ONNX Runtime call (a protobuf holds < 2 GB)
-
-
 def dequantized_weights(model, shared: dict) -> tuple[object, dict[str, np.ndarray]]:
     """(``model`` without the DequantizeLinear nodes whose inputs are all initializers, whose
     outputs become float graph inputs; the values to feed them).
 
     With graph optimizations off (:func:`cpu_session`) ONNX Runtime dequantizes every weight
     at every call: 3/4 of a 32-token prefill call of SmolLM2-135M (0.43 s of which 0.32 s).
-    The values are computed once, by ONNX Runtime's own DequantizeLinear on the same inputs,
-    so each call computes what it computed before, bit for bit. ``shared`` maps a node's
-    inputs (names and bytes) to its values, so the prefill and decode graphs of one export
-    hold one float copy of the weights."""
+    The values are computed once, by ONNX Runtime's own DequantizeLinear on the same inputs
+    (fed as arrays where numpy holds their type, so no protobuf carries the codes again), so
+    each call computes what it computed before, bit for bit. ``shared`` maps a node's inputs
+    (names, attributes and bytes) to its values, so the prefill and decode graphs of one
+    export hold one float copy of the weights."""
     import hashlib
 
+    from onnx import TensorProto as T
     from onnx import helper, numpy_helper
 
+    fed_types = {T.FLOAT, T.INT8, T.UINT8, T.INT16, T.UINT16, T.INT32, T.UINT32, T.INT64}  # int4 & co. stay initializers
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     outputs = {o.name for o in graph.output}
     constant = [n for n in graph.node if n.op_type == "DequantizeLinear" and n.output[0] not in outputs
                 and all(x in inits for x in n.input if x)]
+    arrays = {name: numpy_helper.to_array(inits[name])
+              for name in dict.fromkeys(x for n in constant for x in n.input if x) if inits[name].data_type in fed_types}
     values: dict[str, np.ndarray] = {}
-    todo: list[tuple[object, tuple]] = []
+    todo: dict[str, tuple] = {}  # output name: key
     for node in constant:
         digest = hashlib.blake2b(digest_size=16)
         for name in filter(None, node.input):
-            digest.update(inits[name].raw_data or numpy_helper.to_array(inits[name]).tobytes())
+            digest.update(np.ascontiguousarray(arrays[name]) if name in arrays else inits[name].SerializeToString())
         key = (tuple(node.input), tuple(a.SerializeToString() for a in node.attribute), digest.digest())
         if key in shared:
             values[node.output[0]] = shared[key]
         else:
-            todo.append((node, key))
-    chunk: list[tuple[object, tuple]] = []
-    size = 0
-    for i, (node, key) in enumerate(todo):
-        chunk.append((node, key))
-        size += sum(inits[x].ByteSize() for x in node.input if x)
-        if size >= _FOLD_CHUNK_BYTES or i == len(todo) - 1:
-            nodes = [n for n, _ in chunk]
-            sub = helper.make_graph(nodes, "weights", [],
-                                    [helper.make_tensor_value_info(n.output[0], inits[n.input[1]].data_type, None)
-                                     for n in nodes],
-                                    initializer=[inits[x] for x in dict.fromkeys(x for n in nodes for x in n.input if x)])
-            sub_model = helper.make_model(sub, opset_imports=model.opset_import, ir_version=model.ir_version)
-            for (n, k), v in zip(chunk, cpu_session(sub_model).run(None, {})):
-                values[n.output[0]] = shared[k] = v
-            chunk, size = [], 0
+            todo[node.output[0]] = key
+    if todo:
+        dq = [n for n in constant if n.output[0] in todo]
+        read = dict.fromkeys(x for n in dq for x in n.input if x)
+        feeds = {name: arrays[name] for name in read if name in arrays}
+        sub = helper.make_graph(
+            dq, "weights",
+            [helper.make_tensor_value_info(name, inits[name].data_type, a.shape) for name, a in feeds.items()],
+            [helper.make_tensor_value_info(n.output[0], inits[n.input[1]].data_type, None) for n in dq],
+            initializer=[inits[name] for name in read if name not in feeds])
+        sub_model = helper.make_model(sub, opset_imports=model.opset_import, ir_version=model.ir_version)
+        results = cpu_session(sub_model, threads=torch.get_num_threads()).run([n.output[0] for n in dq], feeds)
+        for node, value in zip(dq, results):
+            values[node.output[0]] = shared[todo[node.output[0]]] = value
     folded = {id(n) for n in constant}
     nodes = [n for n in graph.node if id(n) not in folded]
     used = {x for n in nodes for x in n.input} | outputs
