@@ -299,8 +299,10 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
         programs.to(ctx.device)
         ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
+        encoder = loaded.encoder
+        del loaded  # the float weights were for the thread plan: not held while the graphs score
         with ctx.scope("prefill") as threads:
-            result = programs.evaluate(loaded.encoder, documents, options.context, max_docs=options.max_docs,
+            result = programs.evaluate(encoder, documents, options.context, max_docs=options.max_docs,
                                        max_tokens=options.max_tokens, progress=True, device=ctx.device)
         result = replace(result, threads=threads)
     else:  # whole windows: the calibrate phase's shape
