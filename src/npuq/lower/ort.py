@@ -344,8 +344,7 @@ def dequantized_weights(model, shared: dict) -> tuple[object, dict[str, np.ndarr
         results = cpu_session(sub_model, threads=torch.get_num_threads()).run([n.output[0] for n in dq], feeds)
         for node, value in zip(dq, results):
             values[node.output[0]] = shared[todo[node.output[0]]] = value
-    folded = {id(n) for n in constant}
-    nodes = [n for n in graph.node if id(n) not in folded]
+    nodes = [n for n in graph.node if n.op_type != "DequantizeLinear" or n.output[0] not in values]
     used = {x for n in nodes for x in n.input} | outputs
     inputs = list(graph.input) + [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
                                   for name, v in values.items()]
