@@ -240,10 +240,9 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
 
 # --------------------------------------------------------------------------- info
 def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
-    from npuq.models import load_model
+    from npuq.models import model_info
 
-    loaded = load_model(args.model)
-    result = loaded.info()
+    result = model_info(args.model)  # config and tensor shapes: no weight is read
     for key, value in result.items():
         print(f"{key:>24}: {value}")
     return result
@@ -287,6 +286,8 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.records import to_json
 
     options = EvalOptions(args.corpus, args.split, args.context, args.max_docs, args.max_tokens, args.batch_size)
+    if args.stream and (args.artifact or args.onnx):
+        raise NpuqError("--stream runs the float --model block by block; --artifact and --onnx graphs are not streamed")
     ctx = _context_of(args)  # cheap checks before the model loads
     documents = load_corpus(options.corpus, options.split)
     if args.artifact or args.onnx:  # prefill chunks and decode steps from an empty cache, as on the device
@@ -305,6 +306,18 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
             result = programs.evaluate(encoder, documents, options.context, max_docs=options.max_docs,
                                        max_tokens=options.max_tokens, progress=True, device=ctx.device)
         result = replace(result, threads=threads)
+    elif args.stream:  # whole windows, one block resident at a time (docs/design.md §13)
+        from npuq.models import open_streamed
+        from npuq.threads import cpu_ceiling
+
+        loaded = open_streamed(args.model, max_context=max(options.context, DEFAULT_MAX_CONTEXT), progress=True)
+        check_context(options.context, loaded.config.max_position_embeddings)
+        # Not tuned: a tuning forward would read every weight several times. A whole-window
+        # forward is matrix-matrix work, fastest on every core (docs/design.md §4).
+        result = evaluate_model(
+            loaded, documents, options.context, batch_size=options.batch_size, max_docs=options.max_docs,
+            max_tokens=options.max_tokens, num_threads=ctx.requested or cpu_ceiling(), progress=True,
+        )
     else:  # whole windows: the calibrate phase's shape
         loaded = load_model(args.model, max_context=options.context if options.context > DEFAULT_MAX_CONTEXT else None)
         check_context(options.context, loaded.config.max_position_embeddings)
@@ -419,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("info", help="describe a model: architecture, sizes, context, tied embeddings",
-                       description="Load a model and print its architecture facts.")
+                       description="Print a model's architecture facts and size, from its config and tensor "
+                                   "shapes only (no weight is read, so any size is described in seconds).")
     _add_model(p)
     _add_common(p)
     p.set_defaults(func=cmd_info)
@@ -466,6 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_pos_int, default=4, metavar="N",
                    help="windows of equal length per forward of the float model (default 4; --artifact scores "
                         "as many windows per call as its scoring program takes, --onnx one)")
+    p.add_argument("--stream", action="store_true",
+                   help="with --model: keep the weights on disk and run the float model one block at a time "
+                        "(peak memory: one block or the embedding table plus one batch of activations, not the "
+                        "model; same logits bit for bit; every forward reads the weights once, so raise "
+                        "--batch-size). For models larger than memory (default: off)")
     quantized = p.add_mutually_exclusive_group()
     quantized.add_argument("--artifact", metavar="DIR",
                            help="evaluate a quantized artifact ('npuq quantize --out'): its QDQ prefill and decode "

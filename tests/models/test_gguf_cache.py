@@ -1,6 +1,7 @@
 """The GGUF conversion cache: a second load gives the very same model without reading the GGUF;
 a changed file is never served from a stale entry; a damaged entry is rebuilt with one warning."""
 
+import copy
 import json
 import logging
 import os
@@ -202,6 +203,8 @@ def _corrupt(kind, entry):
 ])
 def test_a_damaged_entry_is_rebuilt_with_one_warning(cache, gguf, monkeypatch, caplog, kind):
     reference = load_model(str(gguf))
+    # its weights are mapped from the entry's file, which the damage below rewrites in place
+    reference.model = copy.deepcopy(reference.model)
     (sha,) = _entries(cache)
     _corrupt(kind, cache / sha)
     with caplog.at_level(logging.WARNING, logger="npuq.models"):
@@ -217,14 +220,58 @@ def test_a_damaged_entry_is_rebuilt_with_one_warning(cache, gguf, monkeypatch, c
     assert not caplog.records
 
 
+def test_the_first_load_decodes_one_tensor_at_a_time(cache, gguf, monkeypatch):
+    """The conversion streams into the cache: when a tensor is decoded, none decoded before is
+    still alive (the model is then mapped from the entry, not held as decoded tensors)."""
+    import gc
+    import weakref
+
+    from npuq.models.sources import GGUFTensors
+
+    real, decoded, alive_at_decode = GGUFTensors.get, [], []
+
+    def get(self, name):
+        gc.collect()
+        alive_at_decode.append(sum(ref() is not None for ref in decoded))
+        t = real(self, name)
+        decoded.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(GGUFTensors, "get", get)
+    loaded = load_model(str(gguf))
+    assert len(decoded) == len(loaded.model.state_dict()) - 1  # every tensor but the tied lm head, once
+    assert max(alive_at_decode) == 0
+    _gguf_not_read(monkeypatch)
+    assert_same_model(loaded, load_model(str(gguf)))
+
+
+def test_a_gguf_with_a_non_finite_tensor_is_refused_and_not_cached(cache, tmp_path, monkeypatch):
+    from npuq.models.sources import GGUFTensors
+
+    real = GGUFTensors.get
+
+    def poisoned(self, name):
+        t = real(self, name)
+        if name == "layers.1.mlp.up_proj.weight":
+            t[0, 0] = float("inf")
+        return t
+
+    monkeypatch.setattr(GGUFTensors, "get", poisoned)
+    path = tmp_path / "poisoned.gguf"
+    write_tiny_llama_gguf(path, tiny_hf_model("llama", seed=0))
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.up_proj\.weight contains NaN or Inf"):
+        load_model(str(path))
+    assert _entries(cache) == [] and [p.name for p in cache.iterdir() if p.name.startswith(".")] == []
+
+
 def test_an_interrupted_conversion_leaves_nothing(cache, gguf, monkeypatch):
-    import safetensors.torch
+    import npuq.models.weights
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(safetensors.torch, "save_file", interrupted)
+        m.setattr(npuq.models.weights, "write_safetensors", interrupted)
         with pytest.raises(KeyboardInterrupt):
             load_model(str(gguf))
     assert _entries(cache) == [] and [p.name for p in cache.iterdir() if p.name.startswith(".")] == []

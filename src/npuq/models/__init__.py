@@ -14,10 +14,13 @@ from npuq.errors import ModelLoadError, NpuqError
 from npuq.models import gguf_cache
 from npuq.models.config import ModelConfig, config_from_hf
 from npuq.models.decoder import StaticDecoder, rope_tables
-from npuq.models.sources import (BUILTINS, gguf_tokenizer, hf_tokenizer, read_gguf, read_hf_folder, read_safetensors,
-                                 resolve)
+from npuq.models.sources import (BUILTINS, gguf_tokenizer, hf_tokenizer, read_gguf, read_gguf_shapes, read_hf_config,
+                                 read_hf_folder, resolve)
+from npuq.models.stream import StreamedDecoder
+from npuq.models.weights import Checkpoint
 
-__all__ = ["BUILTINS", "LoadedModel", "ModelConfig", "StaticDecoder", "load_model", "build_decoder"]
+__all__ = ["BUILTINS", "LoadedModel", "ModelConfig", "StaticDecoder", "StreamedDecoder", "load_model", "build_decoder",
+           "model_info", "open_streamed"]
 
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -30,7 +33,7 @@ class LoadedModel:
     source: str  # the file or folder read
     config: ModelConfig
     hf_config: Any  # transformers PretrainedConfig (from the GGUF cache: one that loads on first use)
-    model: StaticDecoder
+    model: StaticDecoder | StreamedDecoder
     _tokenizer_factory: Any
     _encoder_factory: Any = None  # () -> a light stand-in for encoding text, or None
 
@@ -53,24 +56,62 @@ class LoadedModel:
         return self.tokenizer
 
     def info(self) -> dict[str, Any]:
-        cfg = self.config
-        params = sum(p.numel() for n, p in self.model.named_parameters() if n != "lm_head.weight" or not cfg.tie_word_embeddings)
-        return {
-            "model": self.name,
-            "source": self.source,
-            "architecture": cfg.arch,
-            "parameters": params,
-            "layers": cfg.num_layers,
-            "hidden_size": cfg.hidden_size,
-            "heads": cfg.num_heads,
-            "kv_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim,
-            "vocab_size": cfg.vocab_size,
-            "context_length": cfg.max_position_embeddings,
-            "tied_embeddings": cfg.tie_word_embeddings,
-            "sliding_window_layers": sum(t == "sliding" for t in cfg.layer_types),
-            "nope_layers": sum(not r for r in cfg.use_rope),
-        }
+        return describe(self.name, self.source, self.config, parameter_count(self.config))
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Weights of a model of config ``cfg`` (a tied lm head counted once), from the shapes its
+    config gives: nothing is allocated."""
+    with torch.device("meta"):
+        skeleton = StaticDecoder(cfg, 1)
+    return sum(p.numel() for n, p in skeleton.named_parameters() if n != "lm_head.weight" or not cfg.tie_word_embeddings)
+
+
+def describe(name: str, source: str, cfg: ModelConfig, parameters: int) -> dict[str, Any]:
+    """What ``npuq info`` prints."""
+    return {
+        "model": name,
+        "source": source,
+        "architecture": cfg.arch,
+        "parameters": parameters,
+        "layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "context_length": cfg.max_position_embeddings,
+        "tied_embeddings": cfg.tie_word_embeddings,
+        "sliding_window_layers": sum(t == "sliding" for t in cfg.layer_types),
+        "nope_layers": sum(not r for r in cfg.use_rope),
+        "float32_bytes": parameter_count_bytes(cfg),
+    }
+
+
+def parameter_count_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the float32 StaticDecoder's parameters (the lm head its own copy, tied or not)."""
+    with torch.device("meta"):
+        skeleton = StaticDecoder(cfg, 1)
+    return sum(p.numel() for p in skeleton.parameters()) * 4
+
+
+def model_info(spec: str) -> dict[str, Any]:
+    """``npuq info``: the config and the checkpoint's tensor names and shapes, checked against
+    each other; no weight is read (a 7B folder is described in seconds, in little memory)."""
+    kind, path = resolve(spec)
+    if kind == "hf":
+        cfg = config_from_hf(read_hf_config(path))
+        shapes = {n: c for n, c in _checkpoint_of(path).shapes().items()}
+    else:
+        entry = gguf_cache.entry_for(path)
+        if entry is not None and entry.check() is None:
+            cfg, shapes = entry.model_config(), Checkpoint([entry.weights]).shapes()
+        else:
+            hf_config, shapes = read_gguf_shapes(path)
+            cfg = config_from_hf(hf_config)
+    with torch.device("meta"):
+        StaticDecoder(cfg, 1).check_shapes(shapes, str(path))
+    return describe(spec, str(path), cfg, parameter_count(cfg))
 
 
 def check_tokenizer_vocab(tokenizer: Any, vocab_size: int, source: str) -> None:
@@ -133,10 +174,53 @@ def load_model(spec: str, max_context: int | None = None) -> LoadedModel:
     kind, path = resolve(spec)
     if kind == "gguf":
         return _load_gguf(spec, path, max_context)
-    hf_config, tensors, tokenizer = read_hf_folder(path)
+    hf_config, checkpoint, tokenizer = read_hf_folder(path)
     cfg = _model_config(hf_config, max_context)
-    model = build_decoder(cfg, undo_norm_offset(cfg, tensors), str(path), max_context)
+    guard_model_memory(cfg, str(path))
+    model = build_decoder(cfg, undo_norm_offset(cfg, checkpoint.load()), str(path), max_context)
     return LoadedModel(spec, str(path), cfg, hf_config, model, tokenizer)
+
+
+def open_streamed(spec: str, max_context: int | None = None, progress: bool = False) -> LoadedModel:
+    """``spec`` as a :class:`StreamedDecoder`: the weights stay on disk and are read one block
+    at a time (docs/design.md §13). A GGUF streams from its cache entry (converted first if
+    needed); with the cache off (``NPUQ_NO_MODEL_CACHE``) it is loaded whole."""
+    kind, path = resolve(spec)
+    if kind == "hf":
+        hf_config = read_hf_config(path)
+        cfg = _model_config(hf_config, max_context)
+        checkpoint = _checkpoint_of(path)
+        model = StreamedDecoder(cfg, checkpoint, max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT),
+                                norm_offset=True, progress=progress)
+        return LoadedModel(spec, str(path), cfg, hf_config, model, hf_tokenizer(path))
+    entry = gguf_cache.entry_for(path)
+    if entry is None:
+        return load_model(spec, max_context)
+    if entry.check() is not None:
+        _convert(path, entry, max_context)
+    cached = _load_cached(spec, path, entry, max_context, stream=True, progress=progress)
+    return cached if cached is not None else load_model(spec, max_context)
+
+
+def _checkpoint_of(folder: Path) -> Checkpoint:
+    checkpoint = Checkpoint.of_folder(folder)
+    if not checkpoint.files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights; add the model's *.safetensors files")
+    return checkpoint
+
+
+def guard_model_memory(cfg: ModelConfig, source: str) -> None:
+    """Refuse, before anything is read, a model whose float32 weights cannot fit the memory this
+    process may use (docs/design.md §13): the kernel would kill the run half-way, silently."""
+    from npuq.resources import USABLE_FRACTION, available_memory, gib
+
+    needed, available = parameter_count_bytes(cfg), available_memory()
+    if needed > USABLE_FRACTION * available:
+        raise NpuqError(
+            f"{source}: the model needs {gib(needed)} as float32 but only {gib(available)} of memory is available "
+            f"(at most {USABLE_FRACTION:.0%} of it is used): it does not fit this machine whole. 'npuq info' reads "
+            "shapes only, and 'npuq eval --model ... --stream' scores it block by block; for the other commands "
+            "use a machine with more memory")
 
 
 def load_tokenizer(spec: str) -> Any:
@@ -172,16 +256,33 @@ def _load_gguf(spec: str, path: Path, max_context: int | None) -> LoadedModel:
         loaded = _load_cached(spec, path, entry, max_context)
         if loaded is not None:
             return loaded
-    hf_config, tensors, tokenizer = read_gguf(path)
-    cfg = _model_config(hf_config, max_context)
-    # GGUF norms need no offset (llama.cpp added it); the decoded tensors are ours to give away.
-    model = build_decoder(cfg, tensors, str(path), max_context, own=True)
+    hf_config, tensors, tokenizer, cfg = _convert(path, entry, max_context)
     if entry is not None:
-        entry.store(hf_config, tokenizer(), tensors, cfg)  # only a conversion that passed every check
+        loaded = _load_cached(spec, path, entry, max_context)
+        if loaded is not None:
+            return loaded
+    guard_model_memory(cfg, str(path))
+    # GGUF norms need no offset (llama.cpp added it); the decoded tensors are ours to give away.
+    model = build_decoder(cfg, tensors.load(), str(path), max_context, own=True)
     return LoadedModel(spec, str(path), cfg, hf_config, model, tokenizer)
 
 
-def _load_cached(spec: str, path: Path, entry: gguf_cache.Entry, max_context: int | None) -> LoadedModel | None:
+def _convert(path: Path, entry: gguf_cache.Entry | None, max_context: int | None) -> tuple[Any, Any, Any, ModelConfig]:
+    """Read a GGUF's config, tokenizer and tensor table, check names and shapes against the
+    config before any tensor is decoded, and stream the conversion into ``entry`` (tensor by
+    tensor, each checked as it is written: docs/design.md §13) when there is one.
+    Returns (transformers config, the lazy tensors, tokenizer factory, ModelConfig)."""
+    hf_config, tensors, tokenizer = read_gguf(path)
+    cfg = _model_config(hf_config, max_context)
+    with torch.device("meta"):
+        StaticDecoder(cfg, 1).check_shapes(tensors.shapes(), str(path))
+    if entry is not None:
+        entry.store(hf_config, tokenizer(), tensors, cfg)
+    return hf_config, tensors, tokenizer, cfg
+
+
+def _load_cached(spec: str, path: Path, entry: gguf_cache.Entry, max_context: int | None,
+                 stream: bool = False, progress: bool = False) -> LoadedModel | None:
     """The model from ``entry``, with every tensor checked for name, shape and finiteness as from
     any checkpoint; None, after removing the entry, when it is absent or fails any check."""
     problem = entry.check()
@@ -196,9 +297,16 @@ def _load_cached(spec: str, path: Path, entry: gguf_cache.Entry, max_context: in
         entry.discard(_reason(exc))
         return None
     _check_context(cfg, max_context)  # a --context beyond the model's limit is the user's error
+    if not stream:
+        guard_model_memory(cfg, str(path))  # the user's machine, not the entry, is too small
     try:
         # memory-mapped copy-on-write from a file only npuq writes (atomically): ours to give away
-        model = build_decoder(cfg, read_safetensors([entry.weights]), str(entry.folder), max_context, own=True)
+        checkpoint = Checkpoint([entry.weights], str(entry.folder))
+        if stream:
+            model = StreamedDecoder(cfg, checkpoint, max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT),
+                                    progress=progress)
+        else:
+            model = build_decoder(cfg, checkpoint.load(), str(entry.folder), max_context, own=True)
     except MemoryError:
         raise
     except Exception as exc:

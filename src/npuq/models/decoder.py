@@ -225,25 +225,47 @@ class StaticDecoder(nn.Module):
         if fused_attention and torch.compiler.is_exporting():
             raise ValueError("fused_attention is for eager calls: exported graphs keep the explicit attention ops")
         k_caches, v_caches = (caches[:n], caches[n:]) if caches else ((None,) * n, (None,) * n)
-        h = self.embed_tokens(tokens)  # (B, T, hidden)
+        h = self.embed(tokens)
+        rope_and_masks = self.rope_and_masks(mask, positions)
+        k_out, v_out = [], []
+        for i, (k_cache, v_cache) in enumerate(zip(k_caches, v_caches)):
+            h, k_new, v_new = self.block(i, h, rope_and_masks, k_cache, v_cache, fused_attention)
+            k_out.append(k_new)
+            v_out.append(v_new)
+        return (self.head(h), *k_out, *v_out)
+
+    # The forward in steps, each reading its own weights only: a streamed model
+    # (npuq.models.stream) runs the same steps with one block's weights resident at a time.
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids → (B, T, hidden) hidden states."""
+        h = self.embed_tokens(tokens)
         if self.config.embed_scale != 1.0:
             h = h * self.config.embed_scale
+        return h
+
+    def rope_and_masks(self, mask: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What every block reads besides the hidden states: (cos, sin, local cos, local sin,
+        full-attention mask, sliding-window mask), the tables gathered at ``positions``."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, T, D)
+        local_cos, local_sin = cos, sin
         if self.config.local_rope is not None:
             local_cos, local_sin = self.local_rope_cos[positions], self.local_rope_sin[positions]
         full_mask = mask[:, 0:1]  # (B, 1, T, S)
         sliding_mask = mask[:, 1:2] if self.mask_channels == 2 else full_mask
-        k_out, v_out = [], []
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            if layer.sliding:
-                lc, ls = (local_cos, local_sin) if self.config.local_rope is not None else (cos, sin)
-                h, k_new, v_new = layer(h, lc, ls, sliding_mask, k_cache, v_cache, fused_attention)
-            else:
-                h, k_new, v_new = layer(h, cos, sin, full_mask, k_cache, v_cache, fused_attention)
-            k_out.append(k_new)
-            v_out.append(v_new)
-        logits = self.lm_head(self.norm(h))  # (B, T, V)
-        return (logits, *k_out, *v_out)
+        return cos, sin, local_cos, local_sin, full_mask, sliding_mask
+
+    def block(self, i: int, h: torch.Tensor, rope_and_masks: tuple[torch.Tensor, ...], k_cache=None, v_cache=None,
+              fused: bool = False):
+        """Block ``i`` on hidden states (B, T, hidden) → (hidden states, k_new, v_new)."""
+        cos, sin, local_cos, local_sin, full_mask, sliding_mask = rope_and_masks
+        layer = self.layers[i]
+        if layer.sliding:
+            return layer(h, local_cos, local_sin, sliding_mask, k_cache, v_cache, fused)
+        return layer(h, cos, sin, full_mask, k_cache, v_cache, fused)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm head: (B, T, hidden) → (B, T, V) logits."""
+        return self.lm_head(self.norm(h))
 
     def load_weights(self, tensors: dict[str, torch.Tensor], source: str, checked: bool = False) -> None:
         """Copy checkpoint tensors (our names) into the module after checking every name and shape
@@ -285,23 +307,33 @@ class StaticDecoder(nn.Module):
         tensors = dict(tensors)
         if "lm_head.weight" not in tensors and self.config.tie_word_embeddings and "embed_tokens.weight" in tensors:
             tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
-        expected = self.state_dict()
-        missing = [k for k in expected if k not in tensors]
+        self.check_shapes({name: tuple(t.shape) for name, t in tensors.items()}, source)
+        for name in self.state_dict():
+            if not all_finite(tensors[name]):
+                raise ModelLoadError(f"{source}: tensor {name} contains NaN or Inf values")
+        return tensors
+
+    def check_shapes(self, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+        """Check that ``shapes`` (checkpoint name → shape; a tied model's ``lm_head.weight`` may be
+        absent) names every tensor of this model at the shape its config gives, and nothing else."""
+        from npuq.errors import ModelLoadError
+
+        expected = {name: tuple(t.shape) for name, t in self.state_dict().items()}
+        given = dict(shapes)
+        if "lm_head.weight" not in given and self.config.tie_word_embeddings and "embed_tokens.weight" in given:
+            given["lm_head.weight"] = given["embed_tokens.weight"]
+        missing = [k for k in expected if k not in given]
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise ModelLoadError(f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}")
-        unexpected = [k for k in tensors if k not in expected]
+        unexpected = [k for k in given if k not in expected]
         if unexpected:
             raise ModelLoadError(
                 f"{source}: unexpected tensor {unexpected[0]!r} for a {self.config.arch} model "
                 f"({len(unexpected)} unexpected in all); is the config from the same checkpoint?"
             )
-        for name, ref in expected.items():
-            t = tensors[name]
-            if tuple(t.shape) != tuple(ref.shape):
+        for name, shape in expected.items():
+            if tuple(given[name]) != shape:
                 raise ModelLoadError(
-                    f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} from the config"
+                    f"{source}: tensor {name} has shape {tuple(given[name])}, expected {shape} from the config"
                 )
-            if not all_finite(t):
-                raise ModelLoadError(f"{source}: tensor {name} contains NaN or Inf values")
-        return tensors

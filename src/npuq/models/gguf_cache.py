@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -105,12 +106,6 @@ def _is_sha256(value: Any) -> bool:
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 # --------------------------------------------------------------------------- the hash index
@@ -238,18 +233,21 @@ class Entry:
                 and all(v.get("sha256") != previous for v in files.values())):
             shutil.rmtree(root / previous, ignore_errors=True)
 
-    def store(self, hf_config: Any, tokenizer: Any, tensors: dict[str, Any], model_config: Any) -> bool:
+    def store(self, hf_config: Any, tokenizer: Any, tensors: Any, model_config: Any) -> bool:
         """Write the conversion of this GGUF as its entry, atomically; False (and one warning)
-        when it cannot be written. A GGUF that changed while it was being read is not stored."""
-        from safetensors.torch import save_file
-
+        when it cannot be written. ``tensors`` (``shapes()``, ``get(name)`` → float32: the lazy
+        :class:`npuq.models.sources.GGUFTensors`) are decoded and written one at a time, each
+        checked for finite values first. A GGUF that changed while it was being read is not
+        stored."""
+        from npuq.errors import ModelLoadError
         from npuq.fsio import atomic_dir, write_json
+        from npuq.models.weights import write_safetensors
 
         try:
             if _signature(self.gguf) != self.signature:
                 log.debug("%s changed while it was loaded: not caching it", self.gguf)
                 return False
-            needed = sum(t.numel() * t.element_size() for t in tensors.values()) + (64 << 20)
+            needed = sum(math.prod(shape) for shape in tensors.shapes().values()) * 4 + (64 << 20)
             root = cache_root()
             root.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(root).free
@@ -264,8 +262,7 @@ class Entry:
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
                 fast_tokenizer = _write_fast_tokenizer(tmp) if tokenizer is not None else None
-                save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
-                os.chmod(tmp / WEIGHTS, 0o666 & ~_umask())  # safetensors writes it private
+                write_safetensors(tmp / WEIGHTS, tensors.shapes(), tensors.get)
                 files = {}
                 for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
                     name = path.relative_to(tmp).as_posix()
@@ -273,6 +270,8 @@ class Entry:
                 write_json(tmp / MANIFEST, {"gguf": str(self.gguf), "gguf_sha256": self.sha256, "versions": _versions(),
                                             "model_config": model_config.to_dict(), "fast_tokenizer": fast_tokenizer,
                                             "files": files})
+        except ModelLoadError:  # a tensor of the GGUF itself is bad: no cache problem, the load fails
+            raise
         except Exception as exc:  # a full disk, a read-only cache, a config transformers cannot save
             log.warning("npuq: warning: cannot cache the conversion of %s in %s (%s); the next load converts it again",
                         self.gguf, self.folder, _one_line(f"{type(exc).__name__}: {exc}"))

@@ -23,6 +23,7 @@ import torch
 from npuq.errors import ModelLoadError, UnsupportedArchitecture
 from npuq.fsio import remove_stale
 from npuq.models.config import SUPPORTED_MODEL_TYPES
+from npuq.models.weights import Checkpoint
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -299,7 +300,9 @@ def resolve(spec: str) -> tuple[str, Path]:
 
 
 # --------------------------------------------------------------------------- Hugging Face folder
-def read_hf_folder(folder: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], Any]]:
+def read_hf_config(folder: Path) -> Any:
+    """The transformers config of a Hugging Face folder, after checking that its model type is
+    one npuq supports."""
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{folder}: no config.json; a Hugging Face model folder needs config.json + *.safetensors")
@@ -317,35 +320,30 @@ def read_hf_folder(folder: Path) -> tuple[Any, dict[str, torch.Tensor], Callable
     from transformers import AutoConfig
 
     try:
-        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as exc:  # transformers validates fields with several exception types
         raise ModelLoadError(f"{config_file}: invalid config ({type(exc).__name__}: {exc})") from None
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+
+
+def read_hf_folder(folder: Path) -> tuple[Any, Checkpoint, Callable[[], Any]]:
+    """(transformers config, the lazy checkpoint, tokenizer factory) of a Hugging Face folder;
+    only the safetensors headers are read (:class:`npuq.models.weights.Checkpoint`)."""
+    hf_config = read_hf_config(folder)
+    checkpoint = Checkpoint.of_folder(folder)
+    if not checkpoint.files:
         pickled = [p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
         hint = (
             f"found only pickled {', '.join(pickled)}, which npuq never loads: convert to safetensors"
             if pickled else "add the model's *.safetensors files"
         )
         raise ModelLoadError(f"{folder}: no *.safetensors weights ({hint})")
-    return hf_config, read_safetensors(files), hf_tokenizer(folder)
+    return hf_config, checkpoint, hf_tokenizer(folder)
 
 
 def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     """Every tensor of ``files`` as float32 under our names; memory-mapped (copy-on-write) where
     the file already holds float32, so reading costs no memory until a tensor is used."""
-    from safetensors import SafetensorError
-    from safetensors.torch import safe_open
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    tensors[_hf_name(key)] = f.get_tensor(key).float()
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise ModelLoadError(f"{file}: unreadable safetensors file (truncated or corrupt?): {exc}") from None
-    return tensors
+    return Checkpoint(files).load()
 
 
 def hf_tokenizer(folder: Path) -> Callable[[], Any]:
@@ -360,13 +358,6 @@ def hf_tokenizer(folder: Path) -> Callable[[], Any]:
             raise ModelLoadError(f"{folder}: cannot load the tokenizer ({exc}); add tokenizer.json") from None
 
     return tokenizer
-
-
-def _hf_name(key: str) -> str:
-    for prefix in ("model.language_model.", "language_model.model.", "model."):
-        if key.startswith(prefix):
-            return key[len(prefix) :]
-    return key
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -408,37 +399,80 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor], Callable[[], Any]]:
+def _gguf_reader(path: Path) -> Any:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on bad bytes
         raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {exc}") from None
-    with _reader_shared(path, reader):
-        hf_config, tokenizer = _gguf_config_and_tokenizer(path)
+
+
+def _gguf_arch(path: Path, hf_config: Any) -> str:
     model_type = getattr(hf_config, "model_type", None)
     arch = SUPPORTED_MODEL_TYPES.get(model_type)
     if arch is None:
         raise UnsupportedArchitecture(
             f"{path}: model type {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
-    tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = _gguf_name(t.name, arch)
-        if name is None:
-            continue  # e.g. rope_freqs: recomputed from the config
+    return arch
+
+
+class GGUFTensors:
+    """A GGUF file's tensors under our names, dequantized to float32 one at a time when asked
+    (the same interface as :class:`npuq.models.weights.Checkpoint`: ``shapes``, ``get``, ``load``),
+    so a conversion holds one tensor, never the model."""
+
+    def __init__(self, path: Path, reader: Any, hf_config: Any) -> None:
+        self.source = str(path)
+        self.arch = _gguf_arch(path, hf_config)
+        self.hf_config = hf_config
+        self.tensors = {}
+        for t in reader.tensors:
+            name = _gguf_name(t.name, self.arch)
+            if name is not None:  # others (e.g. rope_freqs) are recomputed from the config
+                self.tensors[name] = t
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        # GGUF lists dimensions innermost first
+        return {name: tuple(int(d) for d in reversed(t.shape)) for name, t in self.tensors.items()}
+
+    def get(self, name: str) -> torch.Tensor:
+        import gguf
+
+        t = self.tensors[name]
         try:
             data = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as exc:
-            raise ModelLoadError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {exc}") from None
+            raise ModelLoadError(f"{self.source}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {exc}") from None
         data = np.asarray(data).reshape([int(d) for d in reversed(t.shape)])
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads
+        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.hf_config.num_attention_heads if "q_proj" in name else self.hf_config.num_key_value_heads
             data = _unpermute_rope(data, heads)
-        tensors[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+        return torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
 
-    return hf_config, tensors, tokenizer
+    def load(self) -> dict[str, torch.Tensor]:
+        return {name: self.get(name) for name in self.tensors}
+
+
+def read_gguf_shapes(path: Path) -> tuple[Any, dict[str, tuple[int, ...]]]:
+    """(transformers config, tensor shapes under our names) of a GGUF file: its metadata and
+    tensor table only, nothing dequantized and no tokenizer built."""
+    reader = _gguf_reader(path)
+    with _reader_shared(path, reader):
+        hf_config = _gguf_config(path)
+    return hf_config, GGUFTensors(path, reader, hf_config).shapes()
+
+
+def read_gguf(path: Path) -> tuple[Any, GGUFTensors, Callable[[], Any]]:
+    """(transformers config, the lazy tensors, tokenizer factory) of a GGUF file."""
+    reader = _gguf_reader(path)
+    with _reader_shared(path, reader):
+        hf_config, tokenizer = _gguf_config_and_tokenizer(path)
+    return hf_config, GGUFTensors(path, reader, hf_config), tokenizer
 
 
 @contextlib.contextmanager
@@ -463,18 +497,23 @@ def _reader_shared(path: Path, reader: Any) -> Iterator[None]:
         gguf.GGUFReader = real
 
 
-def _gguf_config_and_tokenizer(path: Path) -> tuple[Any, Callable[[], Any]]:
-    """transformers' config and tokenizer for a GGUF file (the tokenizer is built now, while the
-    metadata is at hand; ~10 s for a real model: :mod:`npuq.models.gguf_cache` keeps the result)."""
+def _gguf_config(path: Path) -> Any:
+    """transformers' config of a GGUF file (its metadata parsed by transformers)."""
     from transformers import AutoConfig
 
     # transformers parses untrusted metadata here and may raise anything on a damaged file.
     try:
-        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     except ValueError as exc:
         raise UnsupportedArchitecture(f"{path}: {exc}") from None
     except Exception as exc:
         raise ModelLoadError(f"{path}: the GGUF metadata cannot be read as a model config ({type(exc).__name__}: {exc})") from None
+
+
+def _gguf_config_and_tokenizer(path: Path) -> tuple[Any, Callable[[], Any]]:
+    """transformers' config and tokenizer for a GGUF file (the tokenizer is built now, while the
+    metadata is at hand; ~10 s for a real model: :mod:`npuq.models.gguf_cache` keeps the result)."""
+    hf_config = _gguf_config(path)
     if getattr(hf_config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return hf_config, lambda: None  # the caller reports the unsupported architecture
     tokenizer = gguf_tokenizer(path)

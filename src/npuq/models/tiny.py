@@ -51,11 +51,11 @@ def tiny_decoder(name: str, seed: int = 0, max_context: int = 64):
     """(hf_model, npuq StaticDecoder with the same weights)."""
     from npuq.models import build_decoder, undo_norm_offset
     from npuq.models.config import config_from_hf
-    from npuq.models.sources import _hf_name
+    from npuq.models.weights import hf_name
 
     hf = tiny_hf_model(name, seed)
     cfg = config_from_hf(hf.config)
-    tensors = undo_norm_offset(cfg, {_hf_name(k): v for k, v in hf.state_dict().items()})
+    tensors = undo_norm_offset(cfg, {hf_name(k): v for k, v in hf.state_dict().items()})
     return hf, build_decoder(cfg, tensors, f"tiny-{name}", max_context)
 
 
