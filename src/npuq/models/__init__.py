@@ -56,19 +56,23 @@ class LoadedModel:
         return self.tokenizer
 
     def info(self) -> dict[str, Any]:
-        return describe(self.name, self.source, self.config, parameter_count(self.config))
+        return describe(self.name, self.source, self.config)
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    """Weights of a model of config ``cfg`` (a tied lm head counted once), from the shapes its
-    config gives: nothing is allocated."""
+def model_sizes(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters with a tied lm head counted once, bytes of the float32 StaticDecoder's
+    parameters, whose lm head is always its own copy), from the shapes ``cfg`` gives: nothing
+    is allocated."""
     with torch.device("meta"):
         skeleton = StaticDecoder(cfg, 1)
-    return sum(p.numel() for n, p in skeleton.named_parameters() if n != "lm_head.weight" or not cfg.tie_word_embeddings)
+    tied = cfg.tie_word_embeddings
+    parameters = sum(p.numel() for n, p in skeleton.named_parameters() if n != "lm_head.weight" or not tied)
+    return parameters, sum(p.numel() for p in skeleton.parameters()) * 4
 
 
-def describe(name: str, source: str, cfg: ModelConfig, parameters: int) -> dict[str, Any]:
+def describe(name: str, source: str, cfg: ModelConfig) -> dict[str, Any]:
     """What ``npuq info`` prints."""
+    parameters, float32_bytes = model_sizes(cfg)
     return {
         "model": name,
         "source": source,
@@ -84,15 +88,8 @@ def describe(name: str, source: str, cfg: ModelConfig, parameters: int) -> dict[
         "tied_embeddings": cfg.tie_word_embeddings,
         "sliding_window_layers": sum(t == "sliding" for t in cfg.layer_types),
         "nope_layers": sum(not r for r in cfg.use_rope),
-        "float32_bytes": parameter_count_bytes(cfg),
+        "float32_bytes": float32_bytes,
     }
-
-
-def parameter_count_bytes(cfg: ModelConfig) -> int:
-    """Bytes of the float32 StaticDecoder's parameters (the lm head its own copy, tied or not)."""
-    with torch.device("meta"):
-        skeleton = StaticDecoder(cfg, 1)
-    return sum(p.numel() for p in skeleton.parameters()) * 4
 
 
 def model_info(spec: str) -> dict[str, Any]:
@@ -101,7 +98,7 @@ def model_info(spec: str) -> dict[str, Any]:
     kind, path = resolve(spec)
     if kind == "hf":
         cfg = config_from_hf(read_hf_config(path))
-        shapes = {n: c for n, c in _checkpoint_of(path).shapes().items()}
+        shapes = _checkpoint_of(path).shapes()
     else:
         entry = gguf_cache.entry_for(path)
         if entry is not None and entry.check() is None:
@@ -111,7 +108,7 @@ def model_info(spec: str) -> dict[str, Any]:
             cfg = config_from_hf(hf_config)
     with torch.device("meta"):
         StaticDecoder(cfg, 1).check_shapes(shapes, str(path))
-    return describe(spec, str(path), cfg, parameter_count(cfg))
+    return describe(spec, str(path), cfg)
 
 
 def check_tokenizer_vocab(tokenizer: Any, vocab_size: int, source: str) -> None:
@@ -146,7 +143,7 @@ def build_decoder(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: st
     ``own``: the tensors are the caller's to give away and become the parameters without a copy
     (no second copy of the weights in memory); otherwise they are copied and the caller's stay untouched.
     """
-    max_context = max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    max_context = _rope_length(cfg, max_context)
     with torch.device("meta"):  # skip random initialisation: every parameter is overwritten
         model = StaticDecoder(cfg, max_context)
     tensors = model.check_weights(tensors, source)  # before allocating what the config claims
@@ -163,6 +160,11 @@ def build_decoder(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: st
     if left:
         raise AssertionError(f"build_decoder left {', '.join(left)} on the meta device")
     return model.eval()
+
+
+def _rope_length(cfg: ModelConfig, max_context: int | None) -> int:
+    """Positions the RoPE tables cover: ``max_context``, else the model's limit up to 4096."""
+    return max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
 
 
 def load_model(spec: str, max_context: int | None = None) -> LoadedModel:
@@ -190,8 +192,7 @@ def open_streamed(spec: str, max_context: int | None = None, progress: bool = Fa
         hf_config = read_hf_config(path)
         cfg = _model_config(hf_config, max_context)
         checkpoint = _checkpoint_of(path)
-        model = StreamedDecoder(cfg, checkpoint, max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT),
-                                norm_offset=True, progress=progress)
+        model = StreamedDecoder(cfg, checkpoint, _rope_length(cfg, max_context), norm_offset=True, progress=progress)
         return LoadedModel(spec, str(path), cfg, hf_config, model, hf_tokenizer(path))
     entry = gguf_cache.entry_for(path)
     if entry is None:
@@ -214,7 +215,7 @@ def guard_model_memory(cfg: ModelConfig, source: str) -> None:
     process may use (docs/design.md §13): the kernel would kill the run half-way, silently."""
     from npuq.resources import USABLE_FRACTION, available_memory, gib
 
-    needed, available = parameter_count_bytes(cfg), available_memory()
+    needed, available = model_sizes(cfg)[1], available_memory()
     if needed > USABLE_FRACTION * available:
         raise NpuqError(
             f"{source}: the model needs {gib(needed)} as float32 but only {gib(available)} of memory is available "
@@ -303,8 +304,7 @@ def _load_cached(spec: str, path: Path, entry: gguf_cache.Entry, max_context: in
         # memory-mapped copy-on-write from a file only npuq writes (atomically): ours to give away
         checkpoint = Checkpoint([entry.weights], str(entry.folder))
         if stream:
-            model = StreamedDecoder(cfg, checkpoint, max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT),
-                                    progress=progress)
+            model = StreamedDecoder(cfg, checkpoint, _rope_length(cfg, max_context), progress=progress)
         else:
             model = build_decoder(cfg, checkpoint.load(), str(entry.folder), max_context, own=True)
     except MemoryError:

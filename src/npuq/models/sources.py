@@ -340,12 +340,6 @@ def read_hf_folder(folder: Path) -> tuple[Any, Checkpoint, Callable[[], Any]]:
     return hf_config, checkpoint, hf_tokenizer(folder)
 
 
-def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Every tensor of ``files`` as float32 under our names; memory-mapped (copy-on-write) where
-    the file already holds float32, so reading costs no memory until a tensor is used."""
-    return Checkpoint(files).load()
-
-
 def hf_tokenizer(folder: Path) -> Callable[[], Any]:
     """Loads the tokenizer saved in ``folder`` when called."""
 
