@@ -38,7 +38,8 @@ from npuq.calibrate.split import split_windows
 from npuq.data import load_corpus
 from npuq.eval.perplexity import evaluate_perplexity
 from npuq.models import load_model
-from npuq.quantize.pt2e import SCORING_BATCH, fold_constant_dequant, quantize_model
+from npuq.quantize.passes import fold_constant_dequant
+from npuq.quantize.pt2e import SCORING_BATCH, quantize_model
 from npuq.quant.recipe import ROTATIONS, load_recipe
 from npuq.quantize.stage import ROTATION_SEED
 from npuq.data.corpora import corpus_tokens

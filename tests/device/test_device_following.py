@@ -26,7 +26,8 @@ from npuq.models.tiny import tiny_decoder
 from npuq.optimize.driver import WeightSpec, optimize_weights
 from npuq.optimize.gptq import gptq_codes
 from npuq.optimize.seqmse import minmax_scale
-from npuq.quantize.pt2e import fold_constant_dequant, quantize_model
+from npuq.quantize.passes import fold_constant_dequant
+from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import RECIPES
 from npuq.runtime.runner import StaticRunner, forward_logits
 

@@ -26,7 +26,8 @@ from npuq.models.decoder import StaticDecoder
 from npuq.models.tiny import TINY_CONFIGS, tiny_decoder
 from npuq.quantize import pt2e
 from npuq.quantize.artifact import load_artifact, save_artifact
-from npuq.quantize.pt2e import drop_unused_tensors, prepare_graph, quantize_model
+from npuq.quantize.passes import drop_unused_tensors
+from npuq.quantize.pt2e import prepare_graph, quantize_model
 from npuq.quant.quantizer import HtpQuantizer
 from npuq.quant.recipe import RECIPES, Recipe
 from npuq.runtime.runner import run_programs, step_inputs

@@ -45,7 +45,8 @@ from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
 from npuq.calibrate.encodings import encodings_json
 from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, tensor_bytes, write_programs
-from npuq.quantize.pt2e import QuantizedModel, fold_constant_dequant, simplify_qdq
+from npuq.quantize.passes import fold_constant_dequant, simplify_qdq
+from npuq.quantize.pt2e import QuantizedModel
 from npuq.runtime.runner import tokens_shape
 from npuq.quant.recipe import Recipe
 from npuq.records import from_json, optional_key, to_json
@@ -286,9 +287,9 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True, scorin
     decode programs from an empty cache (a LogitsFn for npuq.eval).
 
     ``fold_constants`` dequantizes the integer weights once at load time instead of at every
-    call (:func:`npuq.quantize.pt2e.fold_constant_dequant`), once for all programs, and turns
+    call (:func:`npuq.quantize.passes.fold_constant_dequant`), once for all programs, and turns
     the activations' quantize/dequantize pairs into cheaper ops that compute the same bits
-    (:func:`npuq.quantize.pt2e.simplify_qdq`): same numbers, a faster CPU simulation,
+    (:func:`npuq.quantize.passes.simplify_qdq`): same numbers, a faster CPU simulation,
     float-sized weights in memory. Pass False to keep the programs as saved (q/dq nodes and all,
     what the lowering reads). ``scoring``: also load the scoring program, if the artifact has one.
     """
