@@ -242,6 +242,43 @@ def test_aimet_imports_both_graphs_and_loads_each_file(exports, tmp_path):
         assert r["agree_with_graph"] == r["from_graph"] > 50 and not r["disagree_with_graph"] and not r["graph_only"]
 
 
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A tiny Llama (with its tokenizer) quantized 16a8w with an 8-bit KV cache, exported with
+    --genai windowed: heads-first KV edges (DequantizeLinear → Reshape → QuantizeLinear) added
+    after the lowering."""
+    import torch
+
+    from npuq.cli import main
+    from npuq.models.tiny import save_tiny_hf_folder
+
+    root = tmp_path_factory.mktemp("windowed")
+    model = save_tiny_hf_folder(root / "model", "llama", seed=0, words=200)
+    text = root / "text.txt"
+    text.write_text(" ".join(f"w{int(i)}" for i in torch.randint(0, 200, (400,), generator=torch.Generator().manual_seed(0))))
+    (root / "kv8.json").write_text(json.dumps({"default": "16a8w", "kv_bits": 8}))
+    assert main(["quantize", "--model", str(model), "--calib-corpus", f"file:{text}", "--calib-tokens", "64", "--context",
+                 "16", "--prefill-len", "4", "--num-threads", "1", "--out", str(root / "kv8"), "--recipe",
+                 str(root / "kv8.json")]) == 0
+    export_artifact(root / "kv8", root / "out", ExportOptions(qnn_version="2.51", htp_arch=73, genai="windowed"))
+    return root / "out"
+
+
+def test_windowed_graphs_share_their_edge_pairs(windowed):
+    test_qdq_pairs_share_their_initializers({"windowed": windowed}, "windowed")
+    for kind in KINDS:  # the per-graph file names the tensors of the heads-first graph
+        doc = json.loads((windowed / f"{kind}.encodings.json").read_text())
+        assert doc == loadable_encodings(_graph(windowed, kind))
+        assert {"k_cache_0/reshaped", "v_cache_1/reshaped", "k_new_1"} <= {e["name"] for e in doc["activation_encodings"]}
+
+
+@needs_aimet
+def test_aimet_imports_windowed_graphs(windowed, tmp_path):
+    for kind, r in _check(_aimet_folder(windowed, tmp_path / "windowed")).items():
+        assert r["imported"] and r["loaded"] and not r["written_back_differ"], (kind, r)
+        assert r["agree_with_graph"] == r["from_graph"] > 50 and not r["disagree_with_graph"] and not r["graph_only"]
+
+
 @needs_aimet
 def test_aimet_finds_multipliers_in_the_old_order_wrong(exports, tmp_path):
     """The check can fail: the (blocks, O) order npuq wrote before puts multipliers on the wrong

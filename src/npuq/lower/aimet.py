@@ -362,6 +362,14 @@ def aimet_import_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     added: list[onnx.NodeProto] = []
     dropped: set[str] = set()
     renames: dict[str, str] = {}
+    taken = {n.name for n in g.node} | {t for n in g.node for t in n.output} | {i.name for i in g.initializer}
+
+    def fresh(name: str) -> str:
+        """A node / tensor name the graph does not use yet (AIMET keys its Q/DQ nodes by name)."""
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
     for value in g.input:
         if value.type.tensor_type.elem_type not in _TYPES:
             continue
@@ -372,7 +380,7 @@ def aimet_import_graph(model: onnx.ModelProto) -> onnx.ModelProto:
             raise NpuqError(f"graph {g.name}: quantized input {value.name!r} is read by something else than a "
                             "DequantizeLinear; AIMET cannot import it (export the artifact again)")
         first = users[0]
-        codes = f"{value.name}/codes"
+        codes = fresh(f"{value.name}/codes")
         for u in users:
             if _attr(u, "axis", 1) != _attr(first, "axis", 1) or not _same_values(g, u, first):
                 raise NpuqError(f"graph {g.name}: input {value.name!r} is dequantized with two encodings")
@@ -385,7 +393,7 @@ def aimet_import_graph(model: onnx.ModelProto) -> onnx.ModelProto:
         q = producer.get(value.name)
         if value.type.tensor_type.elem_type not in _TYPES or q is None or q.op_type != "QuantizeLinear":
             continue
-        codes = f"{value.name}/codes"
+        codes = fresh(f"{value.name}/codes")
         q.output[0] = codes
         users = readers.get(value.name, [])
         if any(u.op_type != "DequantizeLinear" or list(u.input[1:3]) != list(q.input[1:3]) for u in users):
@@ -400,7 +408,7 @@ def aimet_import_graph(model: onnx.ModelProto) -> onnx.ModelProto:
             users[0].output[0] = value.name
         else:
             added.append(onnx.helper.make_node("DequantizeLinear", [codes, q.input[1], q.input[2]], [value.name],
-                                               name=f"{value.name}/dq"))
+                                               name=fresh(f"{value.name}/dq")))
         value.type.tensor_type.elem_type = TensorProto.FLOAT
     nodes = added + [n for n in g.node if n.name not in dropped or n.op_type != "DequantizeLinear"]
     for n in nodes:

@@ -45,7 +45,7 @@ from npuq.lower.compile import check_can_compile, compile_contexts
 from npuq.lower import genai
 from npuq.lower.manifest import (EXPORT_FORMAT, GENAI_CACHES, KV_PREFIXES, ArtifactRef, EncodingsFile, GraphEntry,
                                  GraphEncodingsFile, LoweringChoices, Manifest, TargetInfo, TokenizerRef)
-from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
+from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program, share_model_qdq_params
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.quantize.artifact import load_program, program_path, read_artifact
@@ -280,13 +280,15 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                                   graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
                 del program
                 encodings[kind] = graph_encodings(g.model)
-                loadable[kind] = loadable_encodings(g.model, encodings[kind])
                 if options.genai:
                     entries = [s.entry() for s in g.inputs + g.outputs]
                     genai.check_io(cfg, kind, entries, options.genai)
                     if options.genai == "windowed":  # the runtime's cache layout (batch 1: the same bytes)
                         genai.heads_first(g.model, entries)
                         g.inputs, g.outputs = genai.heads_first_specs(g.inputs), genai.heads_first_specs(g.outputs)
+                        share_model_qdq_params(g.model)  # the Q/DQ pairs of the new edges, as AIMET pairs them
+                # AIMET's names are those of the file as written (heads-first edges included)
+                loadable[kind] = loadable_encodings(g.model, None if options.genai == "windowed" else encodings[kind])
             with _timed(phases, "serialize"):
                 blob = _serialize(g.model)  # None: too big for one protobuf file, saved with external data
             # Before writing: this graph (its serialized size is exact; external data holds the same

@@ -557,6 +557,19 @@ def share_qdq_params(nodes: list[onnx.NodeProto], inits: dict[str, Initializer |
     return shared
 
 
+def share_model_qdq_params(model: onnx.ModelProto) -> int:
+    """:func:`share_qdq_params` on an assembled model (Q/DQ pairs added after the lowering, such
+    as the heads-first KV edges of ``--genai windowed``), removing the initializers no node reads
+    any more one by one, so the weights are not copied."""
+    g = model.graph
+    shared = share_qdq_params(list(g.node), {i.name: i for i in g.initializer})
+    if shared:
+        read = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+        for init in [i for i in g.initializer if i.name not in read]:
+            g.initializer.remove(init)
+    return shared
+
+
 def narrow_index_inputs(nodes: list[onnx.NodeProto], inputs: list[IOSpec], notes: list[Note]) -> list[IOSpec]:
     """Carry int64 graph inputs that only index Gathers (the tokens) as int32.
 
