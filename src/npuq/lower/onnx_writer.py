@@ -559,14 +559,14 @@ def share_qdq_params(nodes: list[onnx.NodeProto], inits: dict[str, Initializer |
 
 def share_model_qdq_params(model: onnx.ModelProto) -> int:
     """:func:`share_qdq_params` on an assembled model (Q/DQ pairs added after the lowering, such
-    as the heads-first KV edges of ``--genai windowed``), removing the initializers no node reads
-    any more one by one, so the weights are not copied."""
+    as the heads-first KV edges of ``--genai windowed``), deleting the initializers no node reads
+    any more in place, so the weights are not copied."""
     g = model.graph
     shared = share_qdq_params(list(g.node), {i.name: i for i in g.initializer})
-    if shared:
+    if shared:  # by index, from the end: remove() would compare messages, weights included
         read = {x for n in g.node for x in n.input} | {o.name for o in g.output}
-        for init in [i for i in g.initializer if i.name not in read]:
-            g.initializer.remove(init)
+        for i in reversed([i for i, init in enumerate(g.initializer) if init.name not in read]):
+            del g.initializer[i]
     return shared
 
 
