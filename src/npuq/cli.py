@@ -398,7 +398,8 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     result = export_artifact(args.artifact, args.out, _export_options(args), force=args.force)
     compiled = ", decode_ctx.onnx, prefill_ctx.onnx + .bin" if result.compile_seconds is not None else ""
     genai = ", genai_config.json + tokenizer + genai_*.onnx" if result.genai is not None else ""
-    print(f"{args.out}: decode.onnx, prefill.onnx, encodings.json{compiled}{genai}, manifest.json for {result.describe()} "
+    print(f"{args.out}: decode.onnx, prefill.onnx, encodings.json (+ decode. / prefill.encodings.json){compiled}{genai}, "
+          f"manifest.json for {result.describe()} "
           f"[{result.seconds:.1f} s]")
     return to_json(result)
 
@@ -541,8 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Lower the artifact's decode and prefill programs to opset-21 QDQ ONNX graphs "
                                    "with static shapes and quantized KV-cache I/O, choosing patterns by the target "
                                    "QNN SDK version and HTP architecture; write encodings.json (the encodings of "
-                                   "both graphs in AIMET's format 1.0.0, named by ONNX tensor) and manifest.json "
-                                   "beside them. With --compile, also QNN HTP context binaries for the target chip; "
+                                   "both graphs in AIMET's format 1.0.0, named by ONNX tensor), decode.encodings.json "
+                                   "and prefill.encodings.json (each graph's, named as AIMET's QDQ importer names its "
+                                   "tensors, for AIMET's load_encodings_to_sim) and manifest.json beside them. With --compile, also QNN HTP context binaries for the target chip; "
                                    "with --genai, also an onnxruntime-genai model folder around the same graphs.")
     p.add_argument("--artifact", required=True, metavar="DIR", help="folder written by 'npuq quantize --out'")
     p.add_argument("--out", required=True, metavar="DIR", help="export folder to write (must not exist unless --force)")

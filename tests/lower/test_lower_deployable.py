@@ -103,8 +103,11 @@ def _check_against_onnx(doc, out):
                 shape = [1] * k.ndim
                 shape[axis] = -1
                 want = k * base.reshape(shape)
-                got = np.asarray(entry["per_block_int_scale"]).reshape(k.shape) * \
-                    np.asarray(entry["scale"]).reshape(shape)
+                # AIMET 1.0.0 lists k by (output channel, block): a MatMul weight's k is laid
+                # (blocks, O) in the graph (channel axis 1), so the file holds its transpose.
+                flat = np.asarray(entry["per_block_int_scale"])
+                laid = flat.reshape(k.shape[::-1]).T if axis == 1 else flat.reshape(k.shape)
+                got = laid * np.asarray(entry["scale"]).reshape(shape)
                 assert np.array_equal(got, want), name
                 assert entry["compressed_bw"] == BITS[g.inits[node.input[0]].data_type]
                 assert max(entry["per_block_int_scale"]) <= 2 ** (entry["bw"] - entry["compressed_bw"])

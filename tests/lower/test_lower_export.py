@@ -62,7 +62,8 @@ def exported(artifact, tmp_path_factory):
 def test_files_and_json(exported):
     result, out = exported
     assert result.qnn_version == "2.51.0" and result.qnn_version_source == "--qnn-version"
-    assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "encodings.json", "manifest.json", "prefill.onnx"]
+    assert sorted(p.name for p in out.iterdir()) == ["decode.encodings.json", "decode.onnx", "encodings.json",
+                                                     "manifest.json", "prefill.encodings.json", "prefill.onnx"]
     assert result.embedding_pattern == "plain"  # a shared (per-tensor) table: a plain Gather
 
 
@@ -284,7 +285,8 @@ def test_cli_json(artifact, tmp_path, capsys):
                  "--htp-arch", "73", "--json", str(tmp_path / "r.json")])
     assert code == 0
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["qnn_version"] == "2.51.0" and set(result["files"]) == {"decode", "prefill", "encodings", "manifest"}
+    assert result["qnn_version"] == "2.51.0" and set(result["files"]) == {"decode", "prefill", "encodings", "decode_encodings",
+                                                                                 "prefill_encodings", "manifest"}
     assert result["htp_arch"] == 73 and result["embedding_pattern"] == "plain"
 
 

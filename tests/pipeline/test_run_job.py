@@ -20,7 +20,8 @@ from run_inputs import run_argv as argv
 STAGES = ["model", "threads", "quantize", "eval-float", "eval-quantized", "layers", "generate", "export",
           "eval-exported"]
 ARTIFACT_FILES = {"decode.json", "prefill.json", "scoring.json", "weights.safetensors", "encodings.json", "config.json"}
-ONNX_FILES = {"decode.onnx", "prefill.onnx", "encodings.json", "manifest.json"}
+ONNX_FILES = {"decode.onnx", "prefill.onnx", "encodings.json", "decode.encodings.json", "prefill.encodings.json",
+              "manifest.json"}
 REPORT_KEYS = {"npuq_version", "created", "options", "execution", "model", "scheme", "recipe", "threads", "calibration", "layers",
                "perplexity", "export", "generations", "files", "stages", "seconds"}
 

@@ -4,6 +4,8 @@
     OUT/prefill.onnx    AR-N graph, same encodings
     OUT/encodings.json  the encodings of both graphs in AIMET's format 1.0.0, named by ONNX tensor
                         (npuq.lower.aimet, docs/design.md §11)
+    OUT/decode.encodings.json, OUT/prefill.encodings.json   each graph's encodings as AIMET's QDQ
+                        importer names them: what load_encodings_to_sim takes on that graph's sim
     OUT/<graph>_ctx.onnx + its .bin   with --compile: QNN HTP context binaries of both graphs
                         for the target's HTP arch (npuq.lower.compile, docs/design.md §11)
     OUT/genai_config.json, tokenizer files, genai_*.onnx   with --genai windowed|shared: the same
@@ -38,18 +40,19 @@ import onnx
 from npuq.fsio import atomic_dir, file_sha256, folder_lock, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.lower.aimet import FORMAT_VERSION as AIMET_VERSION
-from npuq.lower.aimet import graph_encodings, merge_encodings
+from npuq.lower.aimet import graph_encodings, loadable_encodings, merge_encodings
 from npuq.lower.compile import check_can_compile, compile_contexts
 from npuq.lower import genai
 from npuq.lower.manifest import (EXPORT_FORMAT, GENAI_CACHES, KV_PREFIXES, ArtifactRef, EncodingsFile, GraphEntry,
-                                 LoweringChoices, Manifest, TargetInfo, TokenizerRef)
-from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program
+                                 GraphEncodingsFile, LoweringChoices, Manifest, TargetInfo, TokenizerRef)
+from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program, share_model_qdq_params
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.quantize.artifact import load_program, program_path, read_artifact
 from npuq.records import from_json, optional_key, to_json
 
 ENCODINGS_FILE = "encodings.json"  # AIMET 1.0.0 (the artifact's npuq-internal encodings.json is another format)
+GRAPH_ENCODINGS_FILE = "{kind}.encodings.json"  # one graph's, as AIMET's QDQ importer names the tensors
 PROTOBUF_LIMIT = 1_800_000_000  # bytes; larger models keep their weights in an external file
 # Where an export's time goes, logged (DEBUG, logger npuq.lower.export) with the record
 # attribute ``npuq_export_phases`` {phase: seconds}: reading the programs (graph JSON + weights), lowering them
@@ -259,6 +262,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     phases = dict.fromkeys(PHASES, 0.0)
     lowered: dict[str, LoweredGraph] = {}  # each graph's I/O and notes, its proto dropped once written
     encodings: dict[str, tuple[dict, dict]] = {}  # AIMET entries of each graph, read before the proto goes
+    loadable: dict[str, dict] = {}  # each graph's document for AIMET's loader (docs/design.md §11)
     sizes: list[int] = []
     files: dict[str, str] = {}
     graphs: dict[str, GraphEntry] = {}
@@ -282,6 +286,9 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                     if options.genai == "windowed":  # the runtime's cache layout (batch 1: the same bytes)
                         genai.heads_first(g.model, entries)
                         g.inputs, g.outputs = genai.heads_first_specs(g.inputs), genai.heads_first_specs(g.outputs)
+                        share_model_qdq_params(g.model)  # the Q/DQ pairs of the new edges, as AIMET pairs them
+                # AIMET's names are those of the file as written (heads-first edges included)
+                loadable[kind] = loadable_encodings(g.model, None if options.genai == "windowed" else encodings[kind])
             with _timed(phases, "serialize"):
                 blob = _serialize(g.model)  # None: too big for one protobuf file, saved with external data
             # Before writing: this graph (its serialized size is exact; external data holds the same
@@ -325,6 +332,13 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
         writing = time.perf_counter()
         (tmp / ENCODINGS_FILE).write_text(aimet_text, encoding="utf-8")
         files["encodings"] = str(out / ENCODINGS_FILE)
+        per_graph: dict[str, GraphEncodingsFile] = {}
+        for kind, doc in loadable.items():
+            name = GRAPH_ENCODINGS_FILE.format(kind=kind)
+            (tmp / name).write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
+            files[f"{kind}_encodings"] = str(out / name)
+            per_graph[kind] = GraphEncodingsFile(name, file_sha256(tmp / name), len(doc["activation_encodings"]),
+                                                 len(doc["param_encodings"]))
         if options.compile:
             with _timed(phases, "compile"):
                 compiled = compile_contexts(tmp, {k: e.file for k, e in graphs.items()}, target.htp_arch, target.soc,
@@ -361,7 +375,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
             options=LoweringChoices(options.embedding_pattern, options.embedding_storage),
             graphs=graphs,
             encodings=EncodingsFile(ENCODINGS_FILE, f"aimet-{AIMET_VERSION}", file_sha256(tmp / ENCODINGS_FILE),
-                                    len(aimet["activation_encodings"]), len(aimet["param_encodings"])),
+                                    len(aimet["activation_encodings"]), len(aimet["param_encodings"]), per_graph),
             compiled=compiled,
             genai=genai_record,
         )
@@ -418,6 +432,8 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
             resolve_inside(folder, entry.external_data, at)
     if manifest.encodings is not None:
         resolve_inside(folder, manifest.encodings.file, f"{where}, encodings")
+        for kind, entry in (manifest.encodings.graphs or {}).items():
+            resolve_inside(folder, entry.file, f"{where}, encodings of graph {kind!s:.40}")
     if manifest.genai is not None:
         for name in (manifest.genai.config, *manifest.genai.stages):
             if not resolve_inside(folder, name, f"{where}, genai").is_file():

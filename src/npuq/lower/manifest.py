@@ -131,14 +131,27 @@ class LoweringChoices:
 
 
 @dataclass(frozen=True)
+class GraphEncodingsFile:
+    """One graph's encodings in AIMET's format 1.0.0, named as AIMET's QDQ importer names the
+    tensors of that graph, for its ``load_encodings_to_sim`` (docs/design.md §11)."""
+
+    file: str  # <graph>.encodings.json
+    sha256: str
+    activations: int  # entries of each list
+    params: int
+
+
+@dataclass(frozen=True)
 class EncodingsFile:
-    """The export's encodings in AIMET's format 1.0.0, one file for every graph (docs/design.md §11)."""
+    """The export's encodings in AIMET's format 1.0.0: one file for every graph, and one per
+    graph for AIMET's loader (docs/design.md §11)."""
 
     file: str
     format: str  # "aimet-1.0.0"
     sha256: str
     activations: int  # entries of each list
     params: int
+    graphs: dict[str, GraphEncodingsFile] | None = optional_key()  # absent in exports of npuq before them
 
 
 @dataclass(frozen=True)

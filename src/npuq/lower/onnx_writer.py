@@ -10,6 +10,9 @@ then:
   runner can copy KV-cache codes straight from outputs to inputs (docs/design.md §2);
 - ``fold_identity_requant``: a QuantizeLinear reading a DequantizeLinear of the same
   encoding (data-movement ops sharing their input's encoding) is removed;
+- ``share_qdq_params``: each DequantizeLinear reading a QuantizeLinear reads that node's scale
+  and zero-point initializers by name (the pair form AIMET's QDQ importer recognises,
+  docs/design.md §11);
 - ``remove_dead``: nodes and initializers nothing reads are dropped.
 """
 
@@ -359,6 +362,7 @@ def lower_program(
     protected = {o.name for o in outputs}
     nodes = fold_identity_requant(nodes, initializers, protected)
     nodes = merge_transposes(nodes, initializers, protected)
+    share_qdq_params(nodes, initializers)
     nodes, used = remove_dead(nodes, [o.name for o in outputs])
     inputs = narrow_index_inputs(nodes, inputs, notes)
     for name in consts:  # in graph order, so the file does not depend on set iteration order
@@ -525,6 +529,45 @@ def merge_transposes(nodes: list[onnx.NodeProto], inits: dict[str, onnx.TensorPr
         replaced[id(t2)] = helper.make_node("Transpose", [t1.input[0]], [t2.output[0]], name=t2.name, perm=perm)
         dropped.update({id(t1), id(q), id(dq)})
     return [replaced.get(id(n), n) for n in nodes if id(n) not in dropped]
+
+
+def share_qdq_params(nodes: list[onnx.NodeProto], inits: dict[str, Initializer | onnx.TensorProto]) -> int:
+    """Point each DequantizeLinear that reads a QuantizeLinear of the same encoding (same scale
+    and zero-point values and types, same axis and block_size) at that QuantizeLinear's scale and
+    zero-point initializers, in place; returns how many were re-pointed.
+
+    The values are unchanged, so every runtime computes the same outputs; the copies the DQ's
+    builder made are then read by nothing and dropped by :func:`remove_dead`. AIMET's
+    ``QuantizationSimModel.from_onnx_qdq`` takes a Q/DQ pair only when both name the same
+    initializers (docs/design.md §11).
+    """
+    producer = {o: n for n in nodes for o in n.output}
+    shared = 0
+    for dq in nodes:
+        if dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
+            continue
+        q = producer.get(dq.input[0])
+        if q is None or q.op_type != "QuantizeLinear" or len(q.input) < 3 or list(q.input[1:3]) == list(dq.input[1:3]):
+            continue
+        attrs = ({a.name: helper.get_attribute_value(a) for a in n.attribute} for n in (q, dq))
+        if next(attrs) != next(attrs) or not _same_qparams(q, dq, inits):
+            continue
+        dq.input[1], dq.input[2] = q.input[1], q.input[2]
+        shared += 1
+    return shared
+
+
+def share_model_qdq_params(model: onnx.ModelProto) -> int:
+    """:func:`share_qdq_params` on an assembled model (Q/DQ pairs added after the lowering, such
+    as the heads-first KV edges of ``--genai windowed``), deleting the initializers no node reads
+    any more in place, so the weights are not copied."""
+    g = model.graph
+    shared = share_qdq_params(list(g.node), {i.name: i for i in g.initializer})
+    if shared:  # by index, from the end: remove() would compare messages, weights included
+        read = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+        for i in reversed([i for i, init in enumerate(g.initializer) if init.name not in read]):
+            del g.initializer[i]
+    return shared
 
 
 def narrow_index_inputs(nodes: list[onnx.NodeProto], inputs: list[IOSpec], notes: list[Note]) -> list[IOSpec]:
