@@ -57,6 +57,7 @@ PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
 # shared contract: the runtime's names for the tokens, their positions and the logits it samples from
 # (not npuq's ``tokens`` / ``positions`` / ``logits``, which the stages make and read)
 INPUT_IDS, POSITION_IDS, LOGITS = "input_ids", "position_ids", "genai_logits"
+NO_TOKEN = -1  # shared contract's pad_token_id: no token has it (pipeline_config)
 # The QDQ graphs computed exactly, as npuq's own CPU sessions run them (docs/design.md §9).
 EXACT = {"graph_optimization_level": "ORT_DISABLE_ALL"}
 _ONNX_TYPE = {"uint8": TensorProto.UINT8, "uint16": TensorProto.UINT16, "int8": TensorProto.INT8,
@@ -530,8 +531,14 @@ def pipeline_config(cfg: ModelConfig, context: int, cache: str, graphs: dict[str
         "sliding_window": sliding,
         "pipeline": pipeline,
     }
+    ids = dict(tokenizer_ids)
+    if cache == "shared":
+        # Nothing is padded, but onnxruntime-genai 0.18 still takes the logits of the last token
+        # that is not pad_token_id (probed: an append ending in it read another row): an id no
+        # token has keeps that the append's last token.
+        ids["pad_token_id"] = NO_TOKEN
     model = {"type": "decoder-pipeline", "context_length": context, "vocab_size": cfg.vocab_size,
-             "decoder": decoder, **tokenizer_ids}
+             "decoder": decoder, **ids}
     search = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": context, "min_length": 0,
               "past_present_share_buffer": cache == "shared", "top_k": 1, "top_p": 1.0, "temperature": 1.0,
               "repetition_penalty": 1.0, "length_penalty": 1.0, "no_repeat_ngram_size": 0, "diversity_penalty": 0.0,
