@@ -563,6 +563,22 @@ def token_ids(cfg: ModelConfig, tokenizer: Any) -> dict[str, int]:
     return ids
 
 
+def chat_template_file(folder: Path, written: Sequence[str], tokenizer: Any) -> str | None:
+    """The tokenizer file that holds the model's chat template (``save_pretrained`` writes
+    chat_template.jinja, which onnxruntime-genai's ``apply_chat_template`` reads; older
+    transformers put it into tokenizer_config.json), or None when the model has none (a GGUF's
+    ``tokenizer.chat_template``, a Hugging Face folder's template: whatever the tokenizer loaded)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    if "chat_template.jinja" in written:
+        return "chat_template.jinja"
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if config.get("chat_template"):
+        return "tokenizer_config.json"
+    raise NpuqError("--genai: the model's tokenizer has a chat template but saved it nowhere onnxruntime-genai "
+                    "reads; export with the transformers version pinned by npuq")
+
+
 def write_folder(folder: Path, cfg: ModelConfig, context: int, cache: str, graphs: dict[str, GraphEntry],
                  tokenizer: Any, contexts: dict[str, str] | None = None, htp_arch: int | None = None) -> GenaiFolder:
     """Write the stages, the tokenizer and genai_config.json into ``folder`` (the export being
@@ -587,9 +603,10 @@ def write_folder(folder: Path, cfg: ModelConfig, context: int, cache: str, graph
     if "tokenizer.json" not in written:
         raise NpuqError("--genai: the model's tokenizer has no fast (tokenizer.json) form, which onnxruntime-genai "
                         "reads; export without --genai")
+    template = chat_template_file(folder, written, tokenizer)
     config = pipeline_config(cfg, context, cache, graphs, stages, token_ids(cfg, tokenizer), contexts, htp_arch)
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     order = tuple(next(iter(stage.values()))["filename"] for stage in config["model"]["decoder"]["pipeline"])
     return GenaiFolder(config=CONFIG_FILE, cache=cache, model_type="decoder-pipeline", window=graphs["prefill"].ar_len,
                        pad_value=config["model"]["decoder"]["sliding_window"].get("pad_value"), stages=order,
-                       tokenizer=written, verified=VERIFIED[cache])
+                       tokenizer=written, verified=VERIFIED[cache], chat_template=template)
