@@ -48,13 +48,14 @@ def npuq_conversation(folder, turns, eos=None):
 def chat_ids(tokenizer, texts):
     """Token ids of each user turn as a chat app builds them with onnxruntime-genai's tokenizer
     (``og.Tokenizer``) and the folder's chat template: the first turn whole (with the template's
-    system prompt, if any), each later turn from its own "user" header on (the template applied
-    to that message alone, the system prompt cut)."""
+    system prompt), each later turn the template of that message alone from the end-of-turn token
+    before its "user" header on: onnxruntime-genai samples the previous answer's end-of-turn token
+    but never feeds it, so the turn closes the answer first. ChatML templates (SmolLM2, Qwen2.5)."""
     turns = []
     for i, text in enumerate(texts):
         prompt = tokenizer.apply_chat_template(json.dumps([{"role": "user", "content": text}]),
                                                add_generation_prompt=True)
         if i:
-            prompt = prompt[prompt.rindex("<|im_start|>user"):]
+            prompt = prompt[prompt.rindex("<|im_end|>\n<|im_start|>user"):]
         turns.append([int(t) for t in tokenizer.encode(prompt)])
     return turns

@@ -5,10 +5,9 @@ onnxruntime-genai's ``decoder-pipeline`` model type runs a list of ONNX graphs (
 order, passing each stage's outputs to the later stages by name; the tokens, positions,
 attention mask, KV cache and logits are the runtime's own ("managed") tensors. npuq's prefill
 and decode graphs become two stages (prompt and token generation) as they are written, and
-small float graphs of a few ops, on the CPU, turn the runtime's tensors into npuq's:
-
-    attention_mask [1, ctx] int64 (1: a real token; the current window in the last T columns)
-    + positions [1, T]  →  mask [1, M, T, ctx], npuq's additive mask (0 / MASK_VALUE)
+small graphs of a few ops, on the CPU, turn the runtime's tensors into npuq's (windowed:
+attention_mask [1, ctx] int64, 1 for a real token with the current window in the last T
+columns, and positions [1, T] → mask [1, M, T, ctx], npuq's additive mask of 0 / MASK_VALUE).
 
 Two cache contracts (the value of ``--genai``):
 
@@ -22,11 +21,15 @@ Two cache contracts (the value of ``--genai``):
   only the mask stages run beside them, on the CPU.
 - ``shared``: what the runtime does with the same model type on the CPU provider: one buffer
   [1, KV, ctx, D] per layer for K and for V, passed as input and written back as output, which
-  the graphs must shift themselves. Stages ``genai_in_<graph>`` (mask, then each cache's last
-  ctx - T slots as npuq's inputs, empty slots set to the zero point as npuq's runner keeps them)
-  and ``genai_out_<graph>`` (present = the last ctx - T slots followed by the new entries) wrap
-  npuq's graphs, which are unchanged. This contract runs on any ONNX Runtime, which is how
-  npuq's tests prove the folder with onnxruntime-genai itself.
+  the graphs must shift themselves. The runtime hands every prompt call the whole append,
+  unpadded, with its positions (``slide_inputs`` false; ceil(n / window) calls), and stages
+  ``genai_in_<graph>`` / ``genai_out_<graph>`` around npuq's unchanged graphs make each call the
+  one npuq's runner makes (runtime.runner.feed_schedule): the next chunk, right-padded, npuq's
+  mask and positions, the cache in npuq's slots; then the buffers shift by the real tokens only.
+  One more cache "layer" holds the stages' bookkeeping (which slots are real, their positions),
+  so turn after turn (continuous decoding) the runtime computes npuq's runner's logits bit for
+  bit. This contract runs on any ONNX Runtime, which is how npuq's tests prove the folder with
+  onnxruntime-genai itself (docs/design.md §11).
 """
 
 from __future__ import annotations
