@@ -90,6 +90,12 @@ def test_folder_files_and_record(folders):
         assert all((out / f).is_file() for f in files) and "tokenizer.json" in record.tokenizer
         assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
         assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # written atomically
+    shared = json.loads((folders["shared"] / "genai_config.json").read_text())["model"]
+    layers = read_manifest(folders["shared"]).cfg.num_layers
+    # the shared contract: unpadded appends, one bookkeeping cache layer, no token is padding
+    assert shared["decoder"]["sliding_window"]["slide_inputs"] is False and shared["pad_token_id"] == -1
+    assert shared["decoder"]["num_hidden_layers"] == layers + 1
+    assert read_manifest(folders["shared"]).genai.chat_template is None  # the tiny model has none
     windowed = read_manifest(folders["windowed"])
     assert windowed.genai.pad_value == 128  # uint8 symmetric KV: every cache's zero point
     k = {s.name: s for s in windowed.graphs["decode"].inputs}["k_cache_0"]

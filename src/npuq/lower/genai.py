@@ -551,8 +551,9 @@ def pipeline_config(cfg: ModelConfig, context: int, cache: str, graphs: dict[str
 
 # --------------------------------------------------------------------------- the folder
 def token_ids(cfg: ModelConfig, tokenizer: Any) -> dict[str, int]:
-    """bos / eos / pad ids for genai_config.json. The runtime pads a prompt with pad_token_id and
-    treats every prompt token equal to it as padding: the tokenizer's pad token, else EOS."""
+    """bos / eos / pad ids for genai_config.json. The windowed runtime pads a prompt with
+    pad_token_id and treats every prompt token equal to it as padding: the tokenizer's pad token,
+    else EOS (the shared contract replaces it with NO_TOKEN: pipeline_config)."""
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else eos
