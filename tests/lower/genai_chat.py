@@ -7,13 +7,25 @@ from npuq.lower.ort import load_export
 from npuq.runtime.runner import StaticRunner
 
 
-def og_conversation(folder, turns, max_length=None):
+def og_model(folder, threads=None):
+    """``og.Model`` of the folder; ``threads``: its graphs' intra-op thread count (ONNX Runtime's
+    CPU kernels split sums by thread, so bit-for-bit comparisons pin it to npuq's; None: og's
+    default, half the hardware threads)."""
+    import onnxruntime_genai as og
+
+    config = og.Config(str(folder))
+    if threads is not None:
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    return og.Model(config)
+
+
+def og_conversation(folder, turns, max_length=None, threads=None):
     """As a chat app does with onnxruntime-genai: one generator; per turn (token ids, n),
     append_tokens, then generate_next_token until n tokens or is_done(). Returns each turn's
     generated tokens. ``max_length``: default genai_config.json's context_length."""
     import onnxruntime_genai as og
 
-    model = og.Model(str(folder))
+    model = og_model(folder, threads)
     params = og.GeneratorParams(model)
     if max_length is None:
         max_length = json.loads((folder / "genai_config.json").read_text())["model"]["context_length"]

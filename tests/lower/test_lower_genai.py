@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from genai_chat import npuq_conversation, og_conversation
+from genai_chat import npuq_conversation, og_conversation, og_model
 from windowed_driver import WindowedDriver
 from npuq.cli import main
 from npuq.errors import NpuqError
@@ -107,7 +107,7 @@ def test_onnxruntime_genai_gives_npuq_greedy_tokens(folders, tmp_path):
     whole windows, part of one, and several, its greedy tokens are those of `npuq generate --onnx`
     on the same folder (npuq's runner, npuq's graphs, no genai stages)."""
     og = _og()
-    model = og.Model(str(folders["shared"]))
+    model = og_model(folders["shared"], threads=1)  # as `npuq generate --num-threads 1`
     for prompt in PROMPTS:
         ids = _prompt_ids(folders, prompt)
         n = _new_tokens(len(ids))
@@ -140,7 +140,7 @@ def test_a_conversation_gives_npuq_runners_tokens_turn_by_turn(folders, name):
     conversation: its stages feed npuq's graphs what the runner feeds them."""
     turns = TURNS[name]
     _og()
-    got = og_conversation(folders["shared"], turns)
+    got = og_conversation(folders["shared"], turns, threads=1)  # npuq's sessions: 1 thread (conftest)
     want = npuq_conversation(folders["shared"], turns)
     assert [len(t) for t in got] == [n for _, n in turns] and got == want
 
@@ -149,7 +149,7 @@ def test_the_runtime_computes_npuq_runners_logits_bit_for_bit(folders):
     """Not only the argmax: at every call (a prompt of two chunks, a generation step, a later turn)
     the logits onnxruntime-genai samples from are npuq's runner's, bit for bit."""
     og = _og()
-    model = og.Model(str(folders["shared"]))
+    model = og_model(folders["shared"], threads=1)  # npuq's sessions: 1 thread (conftest)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=CONTEXT, do_sample=False)
     generator = og.Generator(model, params)
