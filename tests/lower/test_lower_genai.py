@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from genai_chat import npuq_conversation, og_conversation, og_model
 from windowed_driver import WindowedDriver
 from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.lower import genai
 from npuq.lower.export import ExportOptions, export_artifact, read_manifest
-from npuq.lower.ort import cpu_session, qnn_available
+from npuq.lower.ort import cpu_session, load_export, qnn_available
 from npuq.models.tiny import save_tiny_hf_folder
+from npuq.runtime.runner import StaticRunner
 
 INSTALL = "onnxruntime-genai is not installed: pip install 'npuq[genai]' (onnxruntime-genai==0.18.0)"
 CONTEXT, WINDOW = 16, 4
@@ -70,7 +72,7 @@ def _prompt_ids(folders, prompt):
 
 
 def _new_tokens(prompt_len):
-    return CONTEXT - -(-prompt_len // WINDOW) * WINDOW  # the runtime pads the prompt to whole windows
+    return CONTEXT - prompt_len  # the runtime's max_length is the context: prompt and generated tokens
 
 
 def test_folder_files_and_record(folders):
@@ -88,6 +90,12 @@ def test_folder_files_and_record(folders):
         assert all((out / f).is_file() for f in files) and "tokenizer.json" in record.tokenizer
         assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
         assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # written atomically
+    shared = json.loads((folders["shared"] / "genai_config.json").read_text())["model"]
+    layers = read_manifest(folders["shared"]).cfg.num_layers
+    # the shared contract: unpadded appends, one bookkeeping cache layer, no token is padding
+    assert shared["decoder"]["sliding_window"]["slide_inputs"] is False and shared["pad_token_id"] == -1
+    assert shared["decoder"]["num_hidden_layers"] == layers + 1
+    assert read_manifest(folders["shared"]).genai.chat_template is None  # the tiny model has none
     windowed = read_manifest(folders["windowed"])
     assert windowed.genai.pad_value == 128  # uint8 symmetric KV: every cache's zero point
     k = {s.name: s for s in windowed.graphs["decode"].inputs}["k_cache_0"]
@@ -99,7 +107,7 @@ def test_onnxruntime_genai_gives_npuq_greedy_tokens(folders, tmp_path):
     whole windows, part of one, and several, its greedy tokens are those of `npuq generate --onnx`
     on the same folder (npuq's runner, npuq's graphs, no genai stages)."""
     og = _og()
-    model = og.Model(str(folders["shared"]))
+    model = og_model(folders["shared"], threads=1)  # as `npuq generate --num-threads 1`
     for prompt in PROMPTS:
         ids = _prompt_ids(folders, prompt)
         n = _new_tokens(len(ids))
@@ -113,6 +121,65 @@ def test_onnxruntime_genai_gives_npuq_greedy_tokens(folders, tmp_path):
             generator.generate_next_token()
             got.append(int(generator.get_next_tokens()[0]))
         assert len(want) >= 2 and got == want, prompt
+
+
+# Conversations: (token ids, tokens to generate) per turn; window 4, context 16. Turn lengths:
+# one window, one token, three windows, and later turns of one token, less and more than a window.
+TURNS = {
+    "one window, then 1 token, then 3": [([11, 12, 13, 14], 2), ([15], 2), ([16, 17, 18], 3)],
+    "one token, then a window": [([21], 3), ([22, 23, 24, 25], 3)],
+    "three windows": [(list(range(30, 42)), 4)],
+    "3 tokens, then 6 (two chunks)": [([41, 42, 43], 2), ([44, 45, 46, 47, 48, 49], 3)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TURNS))
+def test_a_conversation_gives_npuq_runners_tokens_turn_by_turn(folders, name):
+    """onnxruntime-genai appends each turn to the same generator (continuous decoding) on the
+    shared folder and generates, turn by turn, the greedy tokens of npuq's runner on the same
+    conversation: its stages feed npuq's graphs what the runner feeds them."""
+    turns = TURNS[name]
+    _og()
+    got = og_conversation(folders["shared"], turns, threads=1)  # npuq's sessions: 1 thread (conftest)
+    want = npuq_conversation(folders["shared"], turns)
+    assert [len(t) for t in got] == [n for _, n in turns] and got == want
+
+
+def test_the_runtime_computes_npuq_runners_logits_bit_for_bit(folders):
+    """Not only the argmax: at every call (a prompt of two chunks, a generation step, a later turn)
+    the logits onnxruntime-genai samples from are npuq's runner's, bit for bit."""
+    og = _og()
+    model = og_model(folders["shared"], threads=1)  # npuq's sessions: 1 thread (conftest)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=CONTEXT, do_sample=False)
+    generator = og.Generator(model, params)
+    manifest, graphs = load_export(folders["shared"])
+    runner = StaticRunner(manifest.cfg, graphs, manifest.context)
+
+    def logits():
+        return np.asarray(generator.get_output(genai.LOGITS))[0, -1]
+
+    for ids in ([5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]):
+        generator.append_tokens(ids)
+        want = runner.feed(ids)[0, -1].numpy()
+        assert np.array_equal(logits(), want), ids
+        generator.generate_next_token()  # samples from the append's logits
+        first = int(generator.get_next_tokens()[0])
+        assert first == int(np.argmax(want))
+        generator.generate_next_token()  # feeds `first`, samples the next (never fed before the next turn)
+        want = runner.feed([first])[0, -1].numpy()
+        assert np.array_equal(logits(), want), ids
+        assert int(generator.get_next_tokens()[0]) == int(np.argmax(want))
+
+
+def test_a_conversation_past_the_context_is_a_clear_error(folders):
+    """A turn whose chunk no longer fits the cache fails with the stage's message (the runtime's
+    own max_length check catches the rest)."""
+    _og()
+    with pytest.raises(Exception, match="no longer fits the context of 16 tokens.*new og.Generator"):
+        og_conversation(folders["shared"], [(list(range(1, 14)), 1), ([3, 4], 1)])
+    with pytest.raises(Exception, match="exceeds max length"):
+        og_conversation(folders["shared"], [(list(range(1, 14)), 2), ([3, 4, 5], 1)])
 
 
 # --------------------------------------------------------------------------- the windowed (NPU) contract

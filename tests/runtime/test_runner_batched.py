@@ -66,11 +66,24 @@ def test_batched_rows_agree_with_the_device_flow_within_rounding(quantized):
     assert alone.abs().max() > 1000 * step  # the bound is far below the logits' own size
 
 
-def test_rows_whose_feed_ends_in_a_decode_step_go_one_by_one(quantized):
+def test_feed_schedule_is_onnxruntime_genais_chunking():
+    """A single token is a decode step; longer feeds are prefill chunks, a leftover single token
+    in a padded chunk as onnxruntime-genai's pipeline runs it (docs/design.md §11), and decode
+    steps only where a chunk no longer fits the context."""
+    assert feed_schedule(0, 1, PREFILL, CONTEXT) == [(1, 1)]
+    assert feed_schedule(5, 1, PREFILL, CONTEXT) == [(1, 1)]
+    assert feed_schedule(0, 2 * PREFILL + 1, PREFILL, CONTEXT) == [(PREFILL, PREFILL)] * 2 + [(PREFILL, 1)]
+    assert feed_schedule(3, PREFILL, PREFILL, CONTEXT) == [(PREFILL, PREFILL)]
+    assert feed_schedule(CONTEXT - PREFILL - 1, PREFILL + 1, PREFILL, CONTEXT) == [(PREFILL, PREFILL), (1, 1)]
+    assert feed_schedule(CONTEXT - 3, 3, PREFILL, CONTEXT) == [(1, 1)] * 3
+
+
+def test_rows_whose_feed_needs_a_decode_step_go_one_by_one(quantized):
+    """A row whose feed cannot be prefill chunks only (here: a single token) is not batched: it
+    goes through the batch-1 programs, as the device runs it."""
     qm = quantized
-    length = 2 * PREFILL + 1  # two chunks, then one token: the decode program
-    assert feed_schedule(0, length, PREFILL, CONTEXT)[-1] == (1, 1)
-    rows = _rows(qm, 3, length, seed=3)
+    rows = _rows(qm, 3, 1, seed=3)
+    assert feed_schedule(0, 1, PREFILL, CONTEXT) == [(1, 1)]
     assert torch.equal(qm.logits(rows), run_programs(qm.config, qm.graphs(), CONTEXT, rows))
 
 

@@ -5,10 +5,9 @@ onnxruntime-genai's ``decoder-pipeline`` model type runs a list of ONNX graphs (
 order, passing each stage's outputs to the later stages by name; the tokens, positions,
 attention mask, KV cache and logits are the runtime's own ("managed") tensors. npuq's prefill
 and decode graphs become two stages (prompt and token generation) as they are written, and
-small float graphs of a few ops, on the CPU, turn the runtime's tensors into npuq's:
-
-    attention_mask [1, ctx] int64 (1: a real token; the current window in the last T columns)
-    + positions [1, T]  →  mask [1, M, T, ctx], npuq's additive mask (0 / MASK_VALUE)
+small graphs of a few ops, on the CPU, turn the runtime's tensors into npuq's (windowed:
+attention_mask [1, ctx] int64, 1 for a real token with the current window in the last T
+columns, and positions [1, T] → mask [1, M, T, ctx], npuq's additive mask of 0 / MASK_VALUE).
 
 Two cache contracts (the value of ``--genai``):
 
@@ -22,11 +21,15 @@ Two cache contracts (the value of ``--genai``):
   only the mask stages run beside them, on the CPU.
 - ``shared``: what the runtime does with the same model type on the CPU provider: one buffer
   [1, KV, ctx, D] per layer for K and for V, passed as input and written back as output, which
-  the graphs must shift themselves. Stages ``genai_in_<graph>`` (mask, then each cache's last
-  ctx - T slots as npuq's inputs, empty slots set to the zero point as npuq's runner keeps them)
-  and ``genai_out_<graph>`` (present = the last ctx - T slots followed by the new entries) wrap
-  npuq's graphs, which are unchanged. This contract runs on any ONNX Runtime, which is how
-  npuq's tests prove the folder with onnxruntime-genai itself.
+  the graphs must shift themselves. The runtime hands every prompt call the whole append,
+  unpadded, with its positions (``slide_inputs`` false; ceil(n / window) calls), and stages
+  ``genai_in_<graph>`` / ``genai_out_<graph>`` around npuq's unchanged graphs make each call the
+  one npuq's runner makes (runtime.runner.feed_schedule): the next chunk, right-padded, npuq's
+  mask and positions, the cache in npuq's slots; then the buffers shift by the real tokens only.
+  One more cache "layer" holds the stages' bookkeeping (which slots are real, their positions),
+  so turn after turn (continuous decoding) the runtime computes npuq's runner's logits bit for
+  bit. This contract runs on any ONNX Runtime, which is how npuq's tests prove the folder with
+  onnxruntime-genai itself (docs/design.md §11).
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ OPSET = 21
 ATTENTION_MASK = "attention_mask"
 PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"  # shared contract: the runtime's buffers
 PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
+# shared contract: the runtime's names for the tokens, their positions and the logits it samples from
+# (not npuq's ``tokens`` / ``positions`` / ``logits``, which the stages make and read)
+INPUT_IDS, POSITION_IDS, LOGITS = "input_ids", "position_ids", "genai_logits"
+NO_TOKEN = -1  # shared contract's pad_token_id: no token has it (pipeline_config)
 # The QDQ graphs computed exactly, as npuq's own CPU sessions run them (docs/design.md §9).
 EXACT = {"graph_optimization_level": "ORT_DISABLE_ALL"}
 _ONNX_TYPE = {"uint8": TensorProto.UINT8, "uint16": TensorProto.UINT16, "int8": TensorProto.INT8,
@@ -228,63 +235,232 @@ def mask_stage(cfg: ModelConfig, context: int, entry: GraphEntry, kind: str) -> 
                   [_tensor("mask", "float32", tuple(ins["mask"].shape))], f"genai_mask_{kind}")
 
 
+def _i64(name: str, value: Any) -> onnx.TensorProto:
+    return _const(name, value, np.int64)
+
+
+def _check(nodes: list, inits: list, name: str, ok: str, value: str, out: str, message: str) -> None:
+    """``out`` = ``value`` (shape [1]) when the bool ``ok`` [1] holds; otherwise the stage fails
+    with ``message`` as the failing node's name, which ONNX Runtime (and onnxruntime-genai's
+    exception) prints: a Reshape of one element to shape [0] (allowzero: 0 is a size, not "copy").
+    ONNX has no assert op."""
+    inits += [_i64(f"genai/{name}_pass", [1]), _i64(f"genai/{name}_fail", [0])]
+    nodes += [helper.make_node("Where", [ok, f"genai/{name}_pass", f"genai/{name}_fail"], [f"genai/{name}_shape"]),
+              helper.make_node("Reshape", [value, f"genai/{name}_shape"], [out], name=message, allowzero=1)]
+
+
+# The bookkeeping cache (shared contract): one more cache "layer" of the KV type, shifted with the
+# real caches, whose slot s records in head 0, elements 0..3: 1 when the slot holds a real token,
+# then that token's runtime position + 1 in base-128 digits (exact in every KV type npuq writes,
+# int8 included; positions below 2^21). The runtime zero-fills it: no slot real.
+BOOK_DIGITS = (1, 128, 128 * 128)
+
+
+def _count_nodes(context: int, T: int, layers: int) -> tuple[list, list]:
+    """Nodes computing, from the runtime's ``input_ids`` [1, n] (this append's tokens, or the one
+    generated token), ``position_ids`` [1, n] (their runtime positions) and the bookkeeping cache
+    (the extra layer ``layers``), the int64 [1] tensors
+
+        genai/n_past   real tokens in the cache (checked: n_past + T <= ctx)
+        genai_offset   tokens of this append already in the cache: the runtime calls the prompt
+                       stages ceil(n / T) times with the same inputs, one per chunk, so the chunk
+                       is found from the position of the last cached token
+        genai_n_real   tokens of this chunk: min(T, n - offset)
+
+    and npuq's ``tokens`` [1, T] (the chunk, padded on the right with token 0, as npuq's runner pads).
+    onnxruntime-genai 0.18 never feeds the last token it sampled before an append, yet counts its
+    position (probed); the cache holds only what was fed, at consecutive slots."""
+    book = PAST_KEY % layers
+    inits = [_i64("genai/book_start", [0, 0, 0, 0]), _i64("genai/book_end", [1, 1, context, 1 + len(BOOK_DIGITS)]),
+             _i64("genai/book_rows", [context, 1 + len(BOOK_DIGITS)]), _i64("genai/last_row", [context - 1]),
+             _i64("genai/row_end", [context]), _i64("genai/axis0", [0]), _i64("genai/col0", [0]),
+             _i64("genai/col1", [1]), _i64("genai/cols_end", [1 + len(BOOK_DIGITS)]),
+             _const("genai/digits", BOOK_DIGITS, np.float32), _i64("genai/p_start", [0, 0]), _i64("genai/p_end", [1, 1]),
+             _i64("genai/T", [T]), _i64("genai/room", [context - T]), _i64("genai/zero1", [0]),
+             _i64("genai/one1", [1]), _i64("genai/pad_head", [0, 0, 0]), _const("genai/real_code", 1.0, np.float32),
+             _const("genai/token_pad", 0, np.int32)]
+    nodes = [
+        helper.make_node("Slice", [book, "genai/book_start", "genai/book_end"], ["genai/book_4d"]),  # (1, 1, ctx, 4)
+        helper.make_node("Cast", ["genai/book_4d"], ["genai/book_f4"], to=TensorProto.FLOAT),
+        helper.make_node("Reshape", ["genai/book_f4", "genai/book_rows"], ["genai/book"]),  # (ctx, 4)
+        helper.make_node("Slice", ["genai/book", "genai/col0", "genai/col1", "genai/col1"], ["genai/book_real_f"]),
+        helper.make_node("Equal", ["genai/book_real_f", "genai/real_code"], ["genai/book_real"]),  # (ctx, 1)
+        helper.make_node("Cast", ["genai/book_real"], ["genai/book_i"], to=TensorProto.INT64),
+        helper.make_node("ReduceSum", ["genai/book_i"], ["genai/n_held_0d"], keepdims=0),
+        helper.make_node("Reshape", ["genai/n_held_0d", "genai/one1"], ["genai/n_held"]),  # (1,)
+        # runtime position + 1 of the newest cached token (slot ctx - 1; 0 when the cache is empty)
+        helper.make_node("Slice", ["genai/book", "genai/last_row", "genai/row_end", "genai/axis0"], ["genai/last"]),
+        helper.make_node("Slice", ["genai/last", "genai/col1", "genai/cols_end", "genai/col1"], ["genai/last_digits"]),
+        helper.make_node("Mul", ["genai/last_digits", "genai/digits"], ["genai/last_parts"]),
+        helper.make_node("ReduceSum", ["genai/last_parts", "genai/col1"], ["genai/last_f"], keepdims=0),  # (1,)
+        helper.make_node("Cast", ["genai/last_f"], ["genai/last_pos1"], to=TensorProto.INT64),
+        helper.make_node("Slice", [POSITION_IDS, "genai/p_start", "genai/p_end"], ["genai/p0_2d"]),
+        helper.make_node("Cast", ["genai/p0_2d"], ["genai/p0_i"], to=TensorProto.INT64),
+        helper.make_node("Reshape", ["genai/p0_i", "genai/one1"], ["genai/p0"]),  # (1,)
+        helper.make_node("Shape", [INPUT_IDS], ["genai/n"], start=1, end=2),  # (1,)
+        helper.make_node("Sub", ["genai/last_pos1", "genai/p0"], ["genai/done"]),
+        helper.make_node("Max", ["genai/done", "genai/zero1"], ["genai/offset_raw"]),
+        helper.make_node("Less", ["genai/offset_raw", "genai/n"], ["genai/in_step"]),
+        helper.make_node("LessOrEqual", ["genai/n_held", "genai/room"], ["genai/fits"]),
+    ]
+    _check(nodes, inits, "in_step", "genai/in_step", "genai/offset_raw", "genai_offset",
+           "npuq: position_ids lie behind the cache (a generator rewound?): create a new og.Generator")
+    _check(nodes, inits, "fits", "genai/fits", "genai/n_held", "genai/n_past",
+           f"npuq: the conversation no longer fits the context of {context} tokens (this call needs {T} free "
+           "cache slots): start a new og.Generator, or export with a larger --context")
+    nodes += [
+        helper.make_node("Sub", ["genai/n", "genai_offset"], ["genai/left"]),
+        helper.make_node("Min", ["genai/left", "genai/T"], ["genai_n_real"]),
+        helper.make_node("Add", ["genai_offset", "genai_n_real"], ["genai/chunk_end"]),
+        helper.make_node("Slice", [INPUT_IDS, "genai_offset", "genai/chunk_end", "genai/one1"], ["genai/chunk"]),
+        helper.make_node("Sub", ["genai/T", "genai_n_real"], ["genai/n_pad"]),
+        helper.make_node("Concat", ["genai/pad_head", "genai/n_pad"], ["genai/token_pads"], axis=0),  # (4,)
+        helper.make_node("Pad", ["genai/chunk", "genai/token_pads", "genai/token_pad"], ["genai/tokens_any"]),
+        helper.make_node("Cast", ["genai/tokens_any"], ["tokens"], to=TensorProto.INT32),
+    ]
+    return nodes, inits
+
+
+def _runner_mask_nodes(cfg: ModelConfig, context: int, T: int) -> tuple[list, list]:
+    """npuq's ``mask`` [1, M, T, ctx] and ``positions`` [1, T] as npuq's runner builds them
+    (runtime.runner.step_inputs): cache slot s holds position s and is real when s < n_past; the
+    call's tokens take positions n_past .. n_past + T - 1, the first n_real real; query t sees a
+    real key at a position <= its own (sliding-window channel: also less than the window back)."""
+    C = context - T
+    inits = [_i64("genai/slots", np.arange(C)), _i64("genai/cols", np.arange(T)), _i64("genai/mask_rows", [T, 1]),
+             _i64("genai/mask_shape", [1, 1, T, context]), _const("genai/zero", 0.0, np.float32),
+             _const("genai/masked", MASK_VALUE, np.float32)]
+    nodes = [
+        helper.make_node("Add", ["genai/n_past", "genai/cols"], ["genai/q_pos"]),  # (T,)
+        helper.make_node("Cast", ["genai/q_pos"], ["genai/q_pos32"], to=TensorProto.INT32),
+        helper.make_node("Unsqueeze", ["genai/q_pos32", "genai/zero1"], ["positions"]),  # (1, T)
+        helper.make_node("Concat", ["genai/slots", "genai/q_pos"], ["genai/k_pos"], axis=0),  # (ctx,)
+        helper.make_node("Less", ["genai/slots", "genai/n_past"], ["genai/slot_real"]),
+        helper.make_node("Less", ["genai/cols", "genai_n_real"], ["genai/col_real"]),
+        helper.make_node("Concat", ["genai/slot_real", "genai/col_real"], ["genai/k_real"], axis=0),  # (ctx,)
+        helper.make_node("Reshape", ["genai/q_pos", "genai/mask_rows"], ["genai/q_col"]),  # (T, 1)
+        helper.make_node("LessOrEqual", ["genai/k_pos", "genai/q_col"], ["genai/not_future"]),  # (T, ctx)
+        helper.make_node("And", ["genai/k_real", "genai/not_future"], ["genai/allowed"]),
+        helper.make_node("Where", ["genai/allowed", "genai/zero", "genai/masked"], ["genai/mask_tc"]),
+        helper.make_node("Reshape", ["genai/mask_tc", "genai/mask_shape"], ["genai/mask_full" if cfg.has_sliding_layers
+                                                                             else "mask"]),
+    ]
+    if cfg.has_sliding_layers:
+        inits.append(_i64("genai/window", [cfg.sliding_window]))
+        nodes += [
+            helper.make_node("Sub", ["genai/q_col", "genai/k_pos"], ["genai/back"]),
+            helper.make_node("Less", ["genai/back", "genai/window"], ["genai/near"]),
+            helper.make_node("And", ["genai/allowed", "genai/near"], ["genai/allowed_local"]),
+            helper.make_node("Where", ["genai/allowed_local", "genai/zero", "genai/masked"], ["genai/local_tc"]),
+            helper.make_node("Reshape", ["genai/local_tc", "genai/mask_shape"], ["genai/mask_local"]),
+            helper.make_node("Concat", ["genai/mask_full", "genai/mask_local"], ["mask"], axis=1),
+        ]
+    return nodes, inits
+
+
 def shared_in_stage(cfg: ModelConfig, context: int, entry: GraphEntry, kind: str) -> onnx.ModelProto:
-    """shared: the mask, and each cache's last ctx - T slots in npuq's layout (K transposed),
-    the slots no real token holds set to the cache's zero point."""
+    """shared: npuq's inputs for the next chunk of this append (or the generated token), as npuq's
+    runner makes them: tokens, mask, positions, and each cache in npuq's layout (slot j holds
+    position j: the runtime buffer's last n_past slots, then the zero point in the empty slots,
+    K transposed)."""
     ins, _ = _io(entry)
     T, C, L = entry.ar_len, context - entry.ar_len, cfg.num_layers
-    nodes, inits = _mask_nodes(cfg, context, T)
-    inits += [_const("genai/start", [T], np.int64), _const("genai/end", [context], np.int64),
-              _const("genai/axis2", [2], np.int64), _const("genai/m0", [0], np.int64), _const("genai/mC", [C], np.int64),
-              _const("genai/m_axis", [1], np.int64), _const("genai/slot_shape", [1, 1, C, 1], np.int64)]
-    nodes += [helper.make_node("Slice", ["genai/valid", "genai/m0", "genai/mC", "genai/m_axis"], ["genai/past_valid"]),
-              helper.make_node("Reshape", ["genai/past_valid", "genai/slot_shape"], ["genai/slot_valid"])]
-    inputs = [_tensor(ATTENTION_MASK, "int64", (1, context)), _tensor("positions", "int32", (1, T))]
-    outputs = [_tensor("mask", "float32", tuple(ins["mask"].shape))]
+    nodes, inits = _count_nodes(context, T, L)
+    more, more_inits = _runner_mask_nodes(cfg, context, T)
+    nodes += more
+    inits += more_inits
+    shape = (1, cfg.num_kv_heads, context, cfg.head_dim)
+    book_spec = ins["k_cache_0"]
+    inits += [_i64("genai/ctx", [context]), _i64("genai/C", [C]), _i64("genai/axis2", [2]),
+              _i64("genai/fill_head", [1, cfg.num_kv_heads]), _i64("genai/fill_tail", [cfg.head_dim])]
+    nodes += [helper.make_node("Sub", ["genai/ctx", "genai/n_past"], ["genai/held_start"]),
+              helper.make_node("Sub", ["genai/C", "genai/n_past"], ["genai/n_empty"]),
+              helper.make_node("Concat", ["genai/fill_head", "genai/n_empty", "genai/fill_tail"], ["genai/fill_shape"],
+                               axis=0)]
+    inputs = [_tensor(INPUT_IDS, "int32", (1, "n")), _tensor(POSITION_IDS, "int32", (1, "n")),
+              _tensor(PAST_KEY % L, book_spec.dtype, shape)]
+    outputs = [_tensor("tokens", "int32", (1, T)), _tensor("mask", "float32", tuple(ins["mask"].shape)),
+               _tensor("positions", "int32", (1, T)), _tensor("genai_n_real", "int64", (1,)),
+               _tensor("genai_offset", "int64", (1,))]
     for kv, past_name in (("k", PAST_KEY), ("v", PAST_VALUE)):
         for i in range(L):
             spec = ins[f"{kv}_cache_{i}"]
             past = past_name % i
-            inputs.append(_tensor(past, spec.dtype, (1, cfg.num_kv_heads, context, cfg.head_dim)))
+            inputs.append(_tensor(past, spec.dtype, shape))
             empty = f"genai/{kv}{i}_empty"
-            # Where in int32 (ONNX Runtime's CPU Where has no 16-bit kernels); codes are exact in it
-            wide = spec.dtype if spec.dtype in ("float32", "uint8", "int32", "int64") else "int32"
             inits.append(_const(empty, spec.encoding.zero_point if spec.encoding is not None else 0,
-                                helper.tensor_dtype_to_np_dtype(_ONNX_TYPE[wide])))
-            recent, kept = f"genai/{kv}{i}_recent", f"genai/{kv}{i}_kept"
-            nodes.append(helper.make_node("Slice", [past, "genai/start", "genai/end", "genai/axis2"], [recent]))
-            if wide != spec.dtype:
-                nodes.append(helper.make_node("Cast", [recent], [recent + "_wide"], to=_ONNX_TYPE[wide]))
-                recent = recent + "_wide"
-            nodes.append(helper.make_node("Where", ["genai/slot_valid", recent, empty], [kept + "_wide"]))
-            last = spec.name if kv == "v" else kept
-            nodes.append(helper.make_node("Cast", [kept + "_wide"], [last], to=_ONNX_TYPE[spec.dtype]))
+                                helper.tensor_dtype_to_np_dtype(_ONNX_TYPE[spec.dtype])))
+            held, fill, slots = f"genai/{kv}{i}_held", f"genai/{kv}{i}_fill", f"genai/{kv}{i}_slots"
+            nodes += [helper.make_node("Slice", [past, "genai/held_start", "genai/ctx", "genai/axis2"], [held]),
+                      helper.make_node("Expand", [empty, "genai/fill_shape"], [fill]),
+                      helper.make_node("Concat", [held, fill], [spec.name if kv == "v" else slots], axis=2)]
             if kv == "k":
-                nodes.append(helper.make_node("Transpose", [kept], [spec.name], perm=[0, 1, 3, 2]))
+                nodes.append(helper.make_node("Transpose", [slots], [spec.name], perm=[0, 1, 3, 2]))
             outputs.append(_tensor(spec.name, spec.dtype, tuple(spec.shape)))
     return _model(nodes, inits, inputs, outputs, f"genai_in_{kind}")
 
 
 def shared_out_stage(cfg: ModelConfig, context: int, entry: GraphEntry, kind: str) -> onnx.ModelProto:
-    """shared: present = the cache's last ctx - T slots followed by the T new entries (K back to
-    [.., T, D])."""
+    """shared: present = the buffer's last ctx - n_real slots followed by the chunk's n_real new
+    entries (K back to [.., T, D]; padding never enters the cache), the bookkeeping cache marks
+    those slots real, and ``genai_logits`` [1, n, V] holds the chunk's logits at its rows of the
+    append (other rows 0: the runtime reads the last row, the append's last token, after the
+    last chunk)."""
     _, outs = _io(entry)
-    T, L = entry.ar_len, cfg.num_layers
-    inits = [_const("genai/start", [T], np.int64), _const("genai/end", [context], np.int64),
-             _const("genai/axis2", [2], np.int64)]
-    nodes, inputs, outputs = [], [], []
+    L = cfg.num_layers
+    shape = (1, cfg.num_kv_heads, context, cfg.head_dim)
+    logits = outs["logits"]
+    inits = [_i64("genai/ctx", [context]), _i64("genai/axis1", [1]), _i64("genai/axis2", [2]), _i64("genai/zero1", [0]),
+             _i64("genai/pad_zero", [0]), _const("genai/logit_pad", 0.0, np.float32)]
+    book_spec = outs["k_new_0"]
+    book_type = _ONNX_TYPE[book_spec.dtype]
+    inits += [_i64("genai/p_start", [0, 0]), _i64("genai/p_axis", [1]), _i64("genai/pos_shape", [-1, 1]),
+              _i64("genai/digit_div", BOOK_DIGITS), _i64("genai/base", [128]), _i64("genai/real1", [[1]]),
+              _i64("genai/book_pad_head", [0, 0]), _i64("genai/book_pad_tail", [0, cfg.head_dim - 1 - len(BOOK_DIGITS)]),
+              _i64("genai/book_axes", [0, 1]), _i64("genai/kv_heads", [1, cfg.num_kv_heads, 1, 1])]
+    nodes = [
+        # bookkeeping rows (n_real, D): 1, the digits of (runtime position + 1), zeros; in every head
+        helper.make_node("Add", ["genai_offset", "genai_n_real"], ["genai/chunk_end"]),
+        helper.make_node("Slice", [POSITION_IDS, "genai_offset", "genai/chunk_end", "genai/p_axis"], ["genai/chunk_pos"]),
+        helper.make_node("Cast", ["genai/chunk_pos"], ["genai/chunk_pos_i"], to=TensorProto.INT64),
+        helper.make_node("Reshape", ["genai/chunk_pos_i", "genai/pos_shape"], ["genai/pos_col"]),  # (n_real, 1)
+        helper.make_node("Add", ["genai/pos_col", "genai/real1"], ["genai/pos1"]),
+        helper.make_node("Div", ["genai/pos1", "genai/digit_div"], ["genai/shifted"]),  # (n_real, 3)
+        helper.make_node("Mod", ["genai/shifted", "genai/base"], ["genai/digit_vals"]),
+        helper.make_node("Mul", ["genai/pos_col", "genai/zero1"], ["genai/zero_col"]),
+        helper.make_node("Add", ["genai/zero_col", "genai/real1"], ["genai/real_col"]),
+        helper.make_node("Concat", ["genai/real_col", "genai/digit_vals"], ["genai/book_head"], axis=1),  # (n_real, 4)
+        helper.make_node("Concat", ["genai/book_pad_head", "genai/book_pad_tail"], ["genai/book_pads"], axis=0),
+        helper.make_node("Pad", ["genai/book_head", "genai/book_pads"], ["genai/book_rows_i"]),  # (n_real, D)
+        helper.make_node("Unsqueeze", ["genai/book_rows_i", "genai/book_axes"], ["genai/book_rows4"]),
+        helper.make_node("Expand", ["genai/book_rows4", "genai/kv_heads"], ["genai/book_new_i"]),  # (1, KV, n_real, D)
+        helper.make_node("Cast", ["genai/book_new_i"], ["genai/book_new"], to=book_type),
+        helper.make_node("Slice", [PAST_KEY % L, "genai_n_real", "genai/ctx", "genai/axis2"], ["genai/book_kept"]),
+        helper.make_node("Concat", ["genai/book_kept", "genai/book_new"], [PRESENT_KEY % L], axis=2),
+             # genai_logits: rows [offset, offset + n_real) of [1, n, V]
+             helper.make_node("Shape", [INPUT_IDS], ["genai/n"], start=1, end=2),
+             helper.make_node("Slice", [logits.name, "genai/zero1", "genai_n_real", "genai/axis1"], ["genai/real_logits"]),
+             helper.make_node("Sub", ["genai/n", "genai_offset"], ["genai/after_offset"]),
+             helper.make_node("Sub", ["genai/after_offset", "genai_n_real"], ["genai/rows_after"]),
+             helper.make_node("Concat", ["genai/pad_zero", "genai_offset", "genai/pad_zero", "genai/pad_zero",
+                                         "genai/rows_after", "genai/pad_zero"], ["genai/logit_pads"], axis=0),
+             helper.make_node("Pad", ["genai/real_logits", "genai/logit_pads", "genai/logit_pad"], [LOGITS])]
+    inputs = [_tensor(INPUT_IDS, "int32", (1, "n")), _tensor(POSITION_IDS, "int32", (1, "n")),
+              _tensor("genai_n_real", "int64", (1,)), _tensor("genai_offset", "int64", (1,)), _tensor(logits.name, "float32", tuple(logits.shape)),
+              _tensor(PAST_KEY % L, book_spec.dtype, shape)]
+    outputs = [_tensor(LOGITS, "float32", (1, "n", cfg.vocab_size)), _tensor(PRESENT_KEY % L, book_spec.dtype, shape)]
     for kv, past_name, present_name in (("k", PAST_KEY, PRESENT_KEY), ("v", PAST_VALUE, PRESENT_VALUE)):
         for i in range(L):
             new = outs[f"{kv}_new_{i}"]
             past, present = past_name % i, present_name % i
-            shape = (1, cfg.num_kv_heads, context, cfg.head_dim)
             inputs += [_tensor(past, new.dtype, shape), _tensor(new.name, new.dtype, tuple(new.shape))]
             rows = new.name
             if kv == "k":
                 rows = f"genai/k{i}_rows"
                 nodes.append(helper.make_node("Transpose", [new.name], [rows], perm=[0, 1, 3, 2]))
-            nodes += [helper.make_node("Slice", [past, "genai/start", "genai/end", "genai/axis2"], [f"genai/{kv}{i}_kept"]),
-                      helper.make_node("Concat", [f"genai/{kv}{i}_kept", rows], [present], axis=2)]
+            nodes += [helper.make_node("Slice", [past, "genai_n_real", "genai/ctx", "genai/axis2"], [f"genai/{kv}{i}_kept"]),
+                      helper.make_node("Slice", [rows, "genai/zero1", "genai_n_real", "genai/axis2"], [f"genai/{kv}{i}_real"]),
+                      helper.make_node("Concat", [f"genai/{kv}{i}_kept", f"genai/{kv}{i}_real"], [present], axis=2)]
             outputs.append(_tensor(present, new.dtype, shape))
     return _model(nodes, inits, inputs, outputs, f"genai_out_{kind}")
 
@@ -336,23 +512,36 @@ def pipeline_config(cfg: ModelConfig, context: int, cache: str, graphs: dict[str
         past_k, past_v, present_k, present_v = "k_cache_%d", "v_cache_%d", "k_new_%d", "v_new_%d"
     else:
         past_k, past_v, present_k, present_v = PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE
-    sliding: dict[str, Any] = {"window_size": window, "alignment": "right", "slide_inputs": True,
-                               "slide_key_value_cache": cache == "windowed"}
     if cache == "windowed":
-        sliding["pad_value"] = pad_value(graphs)
+        sliding: dict[str, Any] = {"window_size": window, "alignment": "right", "slide_inputs": True,
+                                   "slide_key_value_cache": True, "pad_value": pad_value(graphs)}
+        names = {"input_ids": "tokens", "position_ids": "positions", "logits": "logits"}
+    else:
+        # The runtime calls the prompt stages ceil(n / window) times for an append of n > 1 tokens
+        # (a sliding_window with window_size makes it chunk), each time with the whole append,
+        # unpadded (slide_inputs false), and its true positions; the stages pick the chunk.
+        sliding = {"window_size": window, "slide_inputs": False, "slide_key_value_cache": False}
+        names = {"input_ids": INPUT_IDS, "position_ids": POSITION_IDS, "logits": LOGITS}
     decoder = {
         "session_options": (npu_session_options(htp_arch) if cache == "windowed"
                             else {"log_id": "npuq", "provider_options": [], **EXACT}),
         "head_size": cfg.head_dim, "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads,
-        "num_hidden_layers": cfg.num_layers, "num_key_value_heads": cfg.num_kv_heads,
-        "inputs": {"input_ids": "tokens", "position_ids": "positions", "attention_mask": ATTENTION_MASK,
-                   "past_key_names": past_k, "past_value_names": past_v},
-        "outputs": {"logits": "logits", "present_key_names": present_k, "present_value_names": present_v},
+        # shared: one more cache "layer", the stages' bookkeeping (which slots hold real tokens)
+        "num_hidden_layers": cfg.num_layers + (cache == "shared"), "num_key_value_heads": cfg.num_kv_heads,
+        "inputs": {"input_ids": names["input_ids"], "position_ids": names["position_ids"],
+                   "attention_mask": ATTENTION_MASK, "past_key_names": past_k, "past_value_names": past_v},
+        "outputs": {"logits": names["logits"], "present_key_names": present_k, "present_value_names": present_v},
         "sliding_window": sliding,
         "pipeline": pipeline,
     }
+    ids = dict(tokenizer_ids)
+    if cache == "shared":
+        # Nothing is padded, but onnxruntime-genai 0.18 still takes the logits of the last token
+        # that is not pad_token_id (probed: an append ending in it read another row): an id no
+        # token has keeps that the append's last token.
+        ids["pad_token_id"] = NO_TOKEN
     model = {"type": "decoder-pipeline", "context_length": context, "vocab_size": cfg.vocab_size,
-             "decoder": decoder, **tokenizer_ids}
+             "decoder": decoder, **ids}
     search = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": context, "min_length": 0,
               "past_present_share_buffer": cache == "shared", "top_k": 1, "top_p": 1.0, "temperature": 1.0,
               "repetition_penalty": 1.0, "length_penalty": 1.0, "no_repeat_ngram_size": 0, "diversity_penalty": 0.0,
@@ -362,8 +551,9 @@ def pipeline_config(cfg: ModelConfig, context: int, cache: str, graphs: dict[str
 
 # --------------------------------------------------------------------------- the folder
 def token_ids(cfg: ModelConfig, tokenizer: Any) -> dict[str, int]:
-    """bos / eos / pad ids for genai_config.json. The runtime pads a prompt with pad_token_id and
-    treats every prompt token equal to it as padding: the tokenizer's pad token, else EOS."""
+    """bos / eos / pad ids for genai_config.json. The windowed runtime pads a prompt with
+    pad_token_id and treats every prompt token equal to it as padding: the tokenizer's pad token,
+    else EOS (the shared contract replaces it with NO_TOKEN: pipeline_config)."""
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else eos
@@ -375,6 +565,22 @@ def token_ids(cfg: ModelConfig, tokenizer: Any) -> dict[str, int]:
     if bos is not None:
         ids["bos_token_id"] = int(bos)
     return ids
+
+
+def chat_template_file(folder: Path, written: Sequence[str], tokenizer: Any) -> str | None:
+    """The tokenizer file that holds the model's chat template (``save_pretrained`` writes
+    chat_template.jinja, which onnxruntime-genai's ``apply_chat_template`` reads; older
+    transformers put it into tokenizer_config.json), or None when the model has none (a GGUF's
+    ``tokenizer.chat_template``, a Hugging Face folder's template: whatever the tokenizer loaded)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    if "chat_template.jinja" in written:
+        return "chat_template.jinja"
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if config.get("chat_template"):
+        return "tokenizer_config.json"
+    raise NpuqError("--genai: the model's tokenizer has a chat template but saved it nowhere onnxruntime-genai "
+                    "reads; export with the transformers version pinned by npuq")
 
 
 def write_folder(folder: Path, cfg: ModelConfig, context: int, cache: str, graphs: dict[str, GraphEntry],
@@ -401,9 +607,10 @@ def write_folder(folder: Path, cfg: ModelConfig, context: int, cache: str, graph
     if "tokenizer.json" not in written:
         raise NpuqError("--genai: the model's tokenizer has no fast (tokenizer.json) form, which onnxruntime-genai "
                         "reads; export without --genai")
+    template = chat_template_file(folder, written, tokenizer)
     config = pipeline_config(cfg, context, cache, graphs, stages, token_ids(cfg, tokenizer), contexts, htp_arch)
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     order = tuple(next(iter(stage.values()))["filename"] for stage in config["model"]["decoder"]["pipeline"])
     return GenaiFolder(config=CONFIG_FILE, cache=cache, model_type="decoder-pipeline", window=graphs["prefill"].ar_len,
                        pad_value=config["model"]["decoder"]["sliding_window"].get("pad_value"), stages=order,
-                       tokenizer=written, verified=VERIFIED[cache])
+                       tokenizer=written, verified=VERIFIED[cache], chat_template=template)

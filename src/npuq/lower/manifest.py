@@ -199,6 +199,7 @@ class GenaiFolder:
     stages: tuple[str, ...]  # the pipeline's ONNX files, in order
     tokenizer: tuple[str, ...]  # tokenizer files
     verified: str  # where npuq checked it runs
+    chat_template: str | None = optional_key()  # the tokenizer file holding the model's chat template, if it has one
 
     def __post_init__(self) -> None:
         if self.cache not in GENAI_CACHES:

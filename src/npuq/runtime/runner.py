@@ -130,7 +130,7 @@ class StaticRunner:
     ``graphs`` maps ar_len → callable: decode (ar_len 1) and at most one prefill length N,
     each taking ``batch`` rows. A feed of a single token, and tokens that do not fill a whole
     prefill chunk near the end of the context, go through decode steps; longer feeds go through
-    prefill chunks, the last one padded (:func:`feed_schedule`). A runner without a decode
+    prefill chunks, the last one padded even when it holds one token (:func:`feed_schedule`). A runner without a decode
     graph takes only feeds that need none. The KV cache, token ids, mask and positions live on
     ``device``, where the graphs' weights must be (an ONNX session takes and returns CPU
     tensors: keep the CPU).
@@ -216,12 +216,16 @@ class StaticRunner:
 
 def feed_schedule(n_past: int, n_tokens: int, prefill_len: int, context: int) -> list[tuple[int, int]]:
     """(ar_len, real tokens) of each call that appends ``n_tokens`` to a cache holding ``n_past``:
-    prefill chunks of ``prefill_len`` (the last one padded) while more than one token is left
-    and a whole chunk fits the context, decode steps (ar_len 1) for the rest."""
+    a single token (a generation step) is one decode step (ar_len 1); more go through prefill
+    chunks of ``prefill_len``, the last one padded (a leftover single token too), while a whole
+    chunk fits the context, and decode steps for the rest. These are the calls onnxruntime-genai
+    makes on an ``npuq export --genai shared`` folder (docs/design.md §11), so both compute the
+    same logits."""
     steps = []
+    single = n_tokens == 1
     while n_tokens > 0:
         n_real = min(prefill_len, n_tokens)
-        if prefill_len > 1 and n_real > 1 and n_past + prefill_len <= context:
+        if prefill_len > 1 and not single and n_past + prefill_len <= context:
             steps.append((prefill_len, n_real))
         else:
             n_real = 1
