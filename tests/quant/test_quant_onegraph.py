@@ -24,7 +24,7 @@ from npuq.calibrate.split import split_windows
 from npuq.calibrate.transfer import copy_observer_state
 from npuq.models.decoder import StaticDecoder
 from npuq.models.tiny import TINY_CONFIGS, tiny_decoder
-from npuq.quantize import pt2e
+from npuq.quantize import passes, pt2e
 from npuq.quantize.artifact import load_artifact, save_artifact
 from npuq.quantize.passes import drop_unused_tensors
 from npuq.quantize.pt2e import prepare_graph, quantize_model
@@ -184,7 +184,7 @@ def test_one_graph_gives_the_three_graph_flows_encodings_and_logits(family, sche
         constants = [(n.name, n.target) for n in theirs.graph.nodes if n.op == "get_attr"]
         assert [(n.name, n.target) for n in ours.graph.nodes if n.op == "get_attr"] == constants
         for _, target in constants:
-            a, b = pt2e._constant(ours, target), pt2e._constant(theirs, target)
+            a, b = passes._constant(ours, target), passes._constant(theirs, target)
             assert a.dtype == b.dtype and torch.equal(a, b), target
     L = cfg.num_layers
     assert kv_io_qparams(qm.decode, L) == kv_io_qparams(decode, L) == kv_io_qparams(qm.prefill, L)
