@@ -287,10 +287,14 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.records import to_json
 
     options = EvalOptions(args.corpus, args.split, args.context, args.max_docs, args.max_tokens, args.batch_size)
+    if args.kl_divergence and not (args.artifact or args.onnx):
+        raise NpuqError("--kl-divergence compares quantized graphs with the float model they were made from: "
+                        "give --artifact DIR or --onnx DIR")
     ctx = _context_of(args)  # cheap checks before the model loads
     documents = load_corpus(options.corpus, options.split)
     if args.artifact or args.onnx:  # prefill chunks and decode steps from an empty cache, as on the device
         from npuq.pipeline.programs import open_programs
+        from npuq.runtime.runner import forward_logits
 
         programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
         if options.context > programs.context:
@@ -299,12 +303,19 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
         programs.to(ctx.device)
         ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
-        encoder = loaded.encoder
-        del loaded  # the float weights were for the thread plan: not held while the graphs score
+        encoder, reference_fn = loaded.encoder, None
+        if args.kl_divergence:  # the float model scores each batch of windows right after the graphs
+            model = loaded.model.to(ctx.device)
+            reference_fn = lambda tokens: forward_logits(model, tokens)  # noqa: E731
+            reference = {"model": loaded.name}
+        del loaded  # without --kl-divergence the float weights were for the thread plan only: not held
         with ctx.scope("prefill") as threads:
             result = programs.evaluate(encoder, documents, options.context, max_docs=options.max_docs,
-                                       max_tokens=options.max_tokens, progress=True, device=ctx.device)
+                                       max_tokens=options.max_tokens, progress=True, device=ctx.device,
+                                       reference_fn=reference_fn)
         result = replace(result, threads=threads)
+        if result.reference is not None:
+            result = replace(result, reference={**reference, **result.reference})
     else:  # whole windows: the calibrate phase's shape
         loaded = load_model(args.model, max_context=options.context if options.context > DEFAULT_MAX_CONTEXT else None)
         check_context(options.context, loaded.config.max_position_embeddings)
@@ -472,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 "programs, run from an empty cache as on the device, several windows per call "
                                 "(instead of --model)")
     quantized.add_argument("--onnx", metavar="DIR", help="evaluate an exported folder ('npuq export --out') with ONNX Runtime")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="with --artifact or --onnx: also score the float model the graphs were made from on the same "
+                        "windows and report kld_mean (mean per-token KL(float || quantized) over the full vocabulary, "
+                        "nats), kld_p99 and top1_agreement (share of scored tokens whose argmax is the float one), "
+                        "as llama.cpp's perplexity --kl-divergence does, and the float model's perplexity there")
     p.add_argument("--provider", choices=("cpu", "htp"), default="cpu",
                    help="with --onnx: cpu (exact QDQ reference, graph optimizations off) or htp (the QNN HTP "
                         "backend of onnxruntime-qnn, emulated on the CPU, fallback disabled; runs the folder's "
