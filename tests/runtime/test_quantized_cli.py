@@ -167,3 +167,44 @@ def test_generate_with_artifact_and_onnx(folders, tmp_path):
 def test_context_beyond_the_graphs_is_refused(folders, capsys):
     assert main(["eval", "--artifact", str(folders / "art"), "--context", "64"]) == 2
     assert "exceeds the 32 tokens" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def more_schemes(folders):
+    """The same tiny model quantized 16a16w and 16a4w, as the 16a8w artifact was."""
+    for scheme in ("16a16w", "16a4w"):
+        assert main(["quantize", "--model", str(folders / "model"), "--scheme", scheme, "--calib-tokens", "256",
+                     "--context", "32", "--prefill-len", "8", "--out", str(folders / f"art-{scheme}"),
+                     "--num-threads", "1"]) == 0
+    return {"16a16w": folders / "art-16a16w", "16a8w": folders / "art", "16a4w": folders / "art-16a4w"}
+
+
+def test_kl_divergence_orders_the_schemes(folders, more_schemes, tmp_path):
+    """`eval --artifact|--onnx --kl-divergence` on 300 tokens. Measured: KLD mean 6.0e-4 nats
+    (16a16w), 6.5e-4 (16a8w; its export 7.1e-4), 5.3e-2 (16a4w); top-1 agreement 0.98, 0.95,
+    0.50 (this random model's next-token distributions are nearly flat, so argmaxes flip easily).
+
+    "Tiny" for 16a16w: below 1e-3 nats, the KLD of a logit perturbation whose variance under the
+    float distribution is 2e-3 (KL ≈ Var_P(δz) / 2 to second order), i.e. an RMS of 0.045, 1.4x the
+    RMS logit bound derived for 16a8w in test_eval_float_artifact_and_onnx_agree; and below 2 % of
+    16a4w's."""
+    float_r = _eval(["--model", str(folders / "model")], tmp_path)
+    r = {s: _eval(["--artifact", str(a), "--kl-divergence"], tmp_path) for s, a in more_schemes.items()}
+    onnx_r = _eval(["--onnx", str(folders / "onnx"), "--kl-divergence"], tmp_path)
+    for x in (*r.values(), onnx_r):
+        assert x["tokens"] == 300 and x["reference"]["model"] == str(folders / "model")
+        # the float model on the same windows is the float model `eval --model` scores (other batches: fp32 rounding)
+        assert x["reference"]["word_perplexity"] == pytest.approx(float_r["word_perplexity"], rel=1e-5)
+        assert x["kld_mean"] > 0 and x["kld_p99"] > 0
+    assert r["16a16w"]["kld_mean"] < min(1e-3, 0.02 * r["16a4w"]["kld_mean"])
+    assert r["16a8w"]["kld_mean"] < r["16a4w"]["kld_mean"]
+    assert r["16a8w"]["top1_agreement"] > r["16a4w"]["top1_agreement"]
+    # the export computes what the artifact computes: its divergence from float is the artifact's, within
+    # the ONNX-vs-artifact logit noise (RMS <= 0.017 derived above: KL moves by about σ · sqrt(2 KL) + σ² / 2)
+    sigma = 0.017
+    assert abs(onnx_r["kld_mean"] - r["16a8w"]["kld_mean"]) <= sigma * math.sqrt(2 * r["16a8w"]["kld_mean"]) + sigma**2 / 2
+
+
+def test_kl_divergence_needs_quantized_graphs(folders, capsys):
+    assert main(["eval", "--model", str(folders / "model"), "--kl-divergence"]) == 2
+    assert "give --artifact DIR or --onnx DIR" in capsys.readouterr().err
