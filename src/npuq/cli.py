@@ -286,6 +286,11 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.models import DEFAULT_MAX_CONTEXT, load_model
     from npuq.records import to_json
 
+    if args.tasks:
+        return _eval_tasks(args)
+    for flag in ("include_path", "limit", "num_fewshot"):
+        if getattr(args, flag) is not None:
+            raise NpuqError(f"--{flag.replace('_', '-')} applies to --tasks: add --tasks NAME[,NAME], or drop it")
     options = EvalOptions(args.corpus, args.split, args.context, args.max_docs, args.max_tokens, args.batch_size)
     if args.kl_divergence and not (args.artifact or args.onnx):
         raise NpuqError("--kl-divergence compares quantized graphs with the float model they were made from: "
@@ -331,6 +336,59 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
           f"context {result.context}, {result.seconds:.1f} s, {result.threads} threads, {result.device}]",
           file=sys.stderr)
     return to_json(result)
+
+
+def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
+    """``npuq eval --tasks``: lm-evaluation-harness's tasks on the float model, an artifact's
+    programs or an export's graphs (npuq.eval.lm_eval_adapter)."""
+    import time
+
+    from npuq.eval.perplexity import check_context
+    from npuq.models import DEFAULT_MAX_CONTEXT, load_model
+    from npuq.runtime.runner import forward_logits
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise NpuqError("--tasks needs at least one task name, e.g. --tasks arc_easy,hellaswag")
+    if args.kl_divergence:
+        raise NpuqError("--kl-divergence scores a corpus; --tasks scores tasks: run them as two commands")
+    try:
+        from npuq.eval.lm_eval_adapter import NpuqLM, run_tasks, task_manager
+    except ImportError as exc:
+        raise NpuqError(f"--tasks needs lm-evaluation-harness ({exc}): pip install 'npuq[tasks]' "
+                        "(lm-eval==0.4.13)") from None
+    ctx = _context_of(args)
+    if not (args.artifact or args.onnx):
+        check_context(args.context)
+    manager = task_manager(tasks, args.include_path)  # unknown names refused before any model loads
+    start = time.perf_counter()
+    if args.artifact or args.onnx:  # the device flow: prefill chunks and decode steps from an empty cache
+        from npuq.pipeline.programs import open_programs
+
+        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(ctx.device)
+        loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
+        ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
+        lm = NpuqLM(loaded.tokenizer, programs.config, programs.graphs, programs.logits, programs.context,
+                    programs.batch, ctx.device, name=str(args.artifact or args.onnx))
+        graphs, phase = programs.describe(), "prefill"
+        del loaded  # the tokenizer is all the tasks need of it
+    else:
+        loaded = load_model(args.model, max_context=args.context if args.context > DEFAULT_MAX_CONTEXT else None)
+        check_context(args.context, loaded.config.max_position_embeddings)
+        ctx.plan_model(loaded.model, ("calibrate",), args.context)
+        model = loaded.model.to(ctx.device)
+        lm = NpuqLM(loaded.tokenizer, loaded.config, {1: model, min(32, args.context): model},
+                    lambda tokens: forward_logits(model, tokens), args.context, args.batch_size, ctx.device,
+                    name=loaded.name)
+        graphs, phase = {"model": loaded.name}, "calibrate"
+    with ctx.scope(phase) as threads:
+        result = run_tasks(lm, tasks, manager, args.limit, args.num_fewshot)
+    print(result.pop("table"))
+    print(f"[{', '.join(tasks)}: context {lm.context}, {time.perf_counter() - start:.1f} s, {threads} threads, "
+          f"{ctx.device}]", file=sys.stderr)
+    return {**result, "tasks": tasks, "graphs": graphs, "context": lm.context, "limit": args.limit,
+            "num_fewshot": args.num_fewshot, "seconds": time.perf_counter() - start, "threads": threads,
+            "device": str(ctx.device)}
 
 
 # --------------------------------------------------------------------------- tune-threads
@@ -483,6 +541,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 "programs, run from an empty cache as on the device, several windows per call "
                                 "(instead of --model)")
     quantized.add_argument("--onnx", metavar="DIR", help="evaluate an exported folder ('npuq export --out') with ONNX Runtime")
+    p.add_argument("--tasks", metavar="NAME[,NAME]",
+                   help="score lm-evaluation-harness tasks instead of a corpus (needs pip install 'npuq[tasks]'): the "
+                        "float model (--model, --context, --batch-size), or the --artifact / --onnx graphs through the "
+                        "device flow (loglikelihoods from an empty cache, greedy generation in prefill chunks and decode "
+                        "steps); the harness downloads standard tasks' data from the Hugging Face Hub, which npuq keeps "
+                        "offline unless HF_HUB_OFFLINE=0 is set; prints the harness's table, --json writes its results")
+    p.add_argument("--include-path", metavar="DIR",
+                   help="with --tasks: also a folder of your own task YAML files (lm-eval's --include_path)")
+    p.add_argument("--limit", type=_pos_int, metavar="N", help="with --tasks: score only the first N documents of each task")
+    p.add_argument("--num-fewshot", type=_nonneg_int, metavar="K",
+                   help="with --tasks: K examples before each question (default: each task's own)")
     p.add_argument("--kl-divergence", action="store_true",
                    help="with --artifact or --onnx: also score the float model the graphs were made from on the same "
                         "windows and report kld_mean (mean per-token KL(float || quantized) over the full vocabulary, "

@@ -158,7 +158,7 @@ def window_loglikelihood(logits: torch.Tensor, targets: Sequence[int]) -> float:
     return total
 
 
-def _window_logits(
+def window_logits(
     logits_fn: LogitsFn, windows: Sequence[Window], batch: Sequence[int], device: str | torch.device | None,
 ) -> torch.Tensor:
     """Logits (B, T, V) of the windows ``batch``, each right-padded with token 0 to the longest
@@ -192,8 +192,8 @@ def score_windows(
     scores = [0.0] * len(windows)
     with tqdm(total=len(windows), desc="perplexity", unit="window", disable=not progress, leave=False) as bar:
         for batch in length_batches(windows, batch_size, mixed):
-            logits = _window_logits(logits_fn, windows, batch, device)
-            reference = None if reference_fn is None else _window_logits(reference_fn, windows, batch, device)
+            logits = window_logits(logits_fn, windows, batch, device)
+            reference = None if reference_fn is None else window_logits(reference_fn, windows, batch, device)
             for row, i in enumerate(batch):
                 inputs, targets = windows[i].inputs, windows[i].targets
                 scores[i] = window_loglikelihood(logits[row, : len(inputs)], targets)
