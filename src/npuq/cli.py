@@ -515,9 +515,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("eval", help="perplexity on a corpus, as lm-evaluation-harness's wikitext task reports it",
+    p = sub.add_parser("eval", help="perplexity on a corpus, as lm-evaluation-harness's wikitext task reports it "
+                                    "(and the divergence from float), or lm-evaluation-harness tasks",
                        description="Score every token of each document once in disjoint rolling windows "
-                                   "and report word perplexity, byte perplexity and bits per byte.")
+                                   "and report word perplexity, byte perplexity and bits per byte; with "
+                                   "--kl-divergence also the quantized graphs' divergence from the float model on "
+                                   "the same windows. With --tasks, run lm-evaluation-harness tasks instead.")
     _add_model(p)
     p.add_argument("--corpus", default="builtin", metavar="C",
                    help="builtin (Python's own documentation, offline), file:PATH (.txt = one document, "
