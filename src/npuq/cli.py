@@ -469,10 +469,11 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     )
     report = run_job(options, args.out, _context_of(args))
     ppl = report["perplexity"]
-    print(f"{'graphs':<10}{'word ppl':>10}{'x float':>9}{'byte ppl':>10}")
+    print(f"{'graphs':<10}{'word ppl':>10}{'x float':>9}{'byte ppl':>10}{'KLD mean':>10}{'top-1':>7}")
     for name, r in ppl.items():
+        divergence = f"{r['kld_mean']:>10.4f}{r['top1_agreement']:>7.3f}" if "kld_mean" in r else ""
         print(f"{name:<10}{r['word_perplexity']:>10.3f}{r['word_perplexity'] / ppl['float']['word_perplexity']:>9.3f}"
-              f"{r['byte_perplexity']:>10.4f}")
+              f"{r['byte_perplexity']:>10.4f}{divergence}")
     reused = sum(s["cached"] for s in report["stages"])
     print(f"report: {args.out}/report.html (and report.json); deployable: {args.out}/onnx, artifact: "
           f"{args.out}/artifact [{report['seconds']:.1f} s, {reused} of {len(report['stages'])} stages reused]")
