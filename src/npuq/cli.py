@@ -285,13 +285,22 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.models import DEFAULT_MAX_CONTEXT, load_model
     from npuq.records import to_json
 
+    if args.tasks:
+        return _eval_tasks(args)
+    for flag in ("include_path", "limit", "num_fewshot"):
+        if getattr(args, flag) is not None:
+            raise NpuqError(f"--{flag.replace('_', '-')} applies to --tasks: add --tasks NAME[,NAME], or drop it")
     options = EvalOptions(args.corpus, args.split, args.context, args.max_docs, args.max_tokens, args.batch_size)
     if args.stream and (args.artifact or args.onnx):
         raise NpuqError("--stream runs the float --model block by block; --artifact and --onnx graphs are not streamed")
+    if args.kl_divergence and not (args.artifact or args.onnx):
+        raise NpuqError("--kl-divergence compares quantized graphs with the float model they were made from: "
+                        "give --artifact DIR or --onnx DIR")
     ctx = _context_of(args)  # cheap checks before the model loads
     documents = load_corpus(options.corpus, options.split)
     if args.artifact or args.onnx:  # prefill chunks and decode steps from an empty cache, as on the device
         from npuq.pipeline.programs import open_programs
+        from npuq.runtime.runner import forward_logits
 
         programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
         if options.context > programs.context:
@@ -300,12 +309,19 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
         programs.to(ctx.device)
         ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
-        encoder = loaded.encoder
-        del loaded  # the float weights were for the thread plan: not held while the graphs score
+        encoder, reference_fn = loaded.encoder, None
+        if args.kl_divergence:  # the float model scores each batch of windows right after the graphs
+            model = loaded.model.to(ctx.device)
+            reference_fn = lambda tokens: forward_logits(model, tokens)  # noqa: E731
+            reference = {"model": loaded.name}
+        del loaded  # without --kl-divergence the float weights were for the thread plan only: not held
         with ctx.scope("prefill") as threads:
             result = programs.evaluate(encoder, documents, options.context, max_docs=options.max_docs,
-                                       max_tokens=options.max_tokens, progress=True, device=ctx.device)
+                                       max_tokens=options.max_tokens, progress=True, device=ctx.device,
+                                       reference_fn=reference_fn)
         result = replace(result, threads=threads)
+        if result.reference is not None:
+            result = replace(result, reference={**reference, **result.reference})
     elif args.stream:  # whole windows, one block resident at a time (docs/design.md §13)
         from npuq.models import open_streamed
         from npuq.threads import cpu_ceiling
@@ -333,6 +349,59 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
           f"context {result.context}, {result.seconds:.1f} s, {result.threads} threads, {result.device}]",
           file=sys.stderr)
     return to_json(result)
+
+
+def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
+    """``npuq eval --tasks``: lm-evaluation-harness's tasks on the float model, an artifact's
+    programs or an export's graphs (npuq.eval.lm_eval_adapter)."""
+    import time
+
+    from npuq.eval.perplexity import check_context
+    from npuq.models import DEFAULT_MAX_CONTEXT, load_model
+    from npuq.runtime.runner import forward_logits
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise NpuqError("--tasks needs at least one task name, e.g. --tasks arc_easy,hellaswag")
+    if args.kl_divergence:
+        raise NpuqError("--kl-divergence scores a corpus; --tasks scores tasks: run them as two commands")
+    try:
+        from npuq.eval.lm_eval_adapter import NpuqLM, run_tasks, task_manager
+    except ImportError as exc:
+        raise NpuqError(f"--tasks needs lm-evaluation-harness ({exc}): pip install 'npuq[tasks]' "
+                        "(lm-eval==0.4.13)") from None
+    ctx = _context_of(args)
+    if not (args.artifact or args.onnx):
+        check_context(args.context)
+    manager = task_manager(tasks, args.include_path)  # unknown names refused before any model loads
+    start = time.perf_counter()
+    if args.artifact or args.onnx:  # the device flow: prefill chunks and decode steps from an empty cache
+        from npuq.pipeline.programs import open_programs
+
+        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(ctx.device)
+        loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
+        ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
+        lm = NpuqLM(loaded.tokenizer, programs.config, programs.graphs, programs.logits, programs.context,
+                    programs.batch, ctx.device, name=str(args.artifact or args.onnx))
+        graphs, phase = programs.describe(), "prefill"
+        del loaded  # the tokenizer is all the tasks need of it
+    else:
+        loaded = load_model(args.model, max_context=args.context if args.context > DEFAULT_MAX_CONTEXT else None)
+        check_context(args.context, loaded.config.max_position_embeddings)
+        ctx.plan_model(loaded.model, ("calibrate",), args.context)
+        model = loaded.model.to(ctx.device)
+        lm = NpuqLM(loaded.tokenizer, loaded.config, {1: model, min(32, args.context): model},
+                    lambda tokens: forward_logits(model, tokens), args.context, args.batch_size, ctx.device,
+                    name=loaded.name)
+        graphs, phase = {"model": loaded.name}, "calibrate"
+    with ctx.scope(phase) as threads:
+        result = run_tasks(lm, tasks, manager, args.limit, args.num_fewshot)
+    print(result.pop("table"))
+    print(f"[{', '.join(tasks)}: context {lm.context}, {time.perf_counter() - start:.1f} s, {threads} threads, "
+          f"{ctx.device}]", file=sys.stderr)
+    return {**result, "tasks": tasks, "graphs": graphs, "context": lm.context, "limit": args.limit,
+            "num_fewshot": args.num_fewshot, "seconds": time.perf_counter() - start, "threads": threads,
+            "device": str(ctx.device)}
 
 
 # --------------------------------------------------------------------------- tune-threads
@@ -414,10 +483,11 @@ def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     )
     report = run_job(options, args.out, _context_of(args))
     ppl = report["perplexity"]
-    print(f"{'graphs':<10}{'word ppl':>10}{'x float':>9}{'byte ppl':>10}")
+    print(f"{'graphs':<10}{'word ppl':>10}{'x float':>9}{'byte ppl':>10}{'KLD mean':>10}{'top-1':>7}")
     for name, r in ppl.items():
+        divergence = f"{r['kld_mean']:>10.4f}{r['top1_agreement']:>7.3f}" if "kld_mean" in r else ""
         print(f"{name:<10}{r['word_perplexity']:>10.3f}{r['word_perplexity'] / ppl['float']['word_perplexity']:>9.3f}"
-              f"{r['byte_perplexity']:>10.4f}")
+              f"{r['byte_perplexity']:>10.4f}{divergence}")
     reused = sum(s["cached"] for s in report["stages"])
     print(f"report: {args.out}/report.html (and report.json); deployable: {args.out}/onnx, artifact: "
           f"{args.out}/artifact [{report['seconds']:.1f} s, {reused} of {len(report['stages'])} stages reused]")
@@ -461,9 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("eval", help="perplexity on a corpus, as lm-evaluation-harness's wikitext task reports it",
+    p = sub.add_parser("eval", help="perplexity on a corpus, as lm-evaluation-harness's wikitext task reports it "
+                                    "(and the divergence from float), or lm-evaluation-harness tasks",
                        description="Score every token of each document once in disjoint rolling windows "
-                                   "and report word perplexity, byte perplexity and bits per byte.")
+                                   "and report word perplexity, byte perplexity and bits per byte; with "
+                                   "--kl-divergence also the quantized graphs' divergence from the float model on "
+                                   "the same windows. With --tasks, run lm-evaluation-harness tasks instead.")
     _add_model(p)
     p.add_argument("--corpus", default="builtin", metavar="C",
                    help="builtin (Python's own documentation, offline), file:PATH (.txt = one document, "
@@ -492,6 +565,22 @@ def build_parser() -> argparse.ArgumentParser:
                                 "programs, run from an empty cache as on the device, several windows per call "
                                 "(instead of --model)")
     quantized.add_argument("--onnx", metavar="DIR", help="evaluate an exported folder ('npuq export --out') with ONNX Runtime")
+    p.add_argument("--tasks", metavar="NAME[,NAME]",
+                   help="score lm-evaluation-harness tasks instead of a corpus (needs pip install 'npuq[tasks]'): the "
+                        "float model (--model, --context, --batch-size), or the --artifact / --onnx graphs through the "
+                        "device flow (loglikelihoods from an empty cache, greedy generation in prefill chunks and decode "
+                        "steps); the harness downloads standard tasks' data from the Hugging Face Hub, which npuq keeps "
+                        "offline unless HF_HUB_OFFLINE=0 is set; prints the harness's table, --json writes its results")
+    p.add_argument("--include-path", metavar="DIR",
+                   help="with --tasks: also a folder of your own task YAML files (lm-eval's --include_path)")
+    p.add_argument("--limit", type=_pos_int, metavar="N", help="with --tasks: score only the first N documents of each task")
+    p.add_argument("--num-fewshot", type=_nonneg_int, metavar="K",
+                   help="with --tasks: K examples before each question (default: each task's own)")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="with --artifact or --onnx: also score the float model the graphs were made from on the same "
+                        "windows and report kld_mean (mean per-token KL(float || quantized) over the full vocabulary, "
+                        "nats), kld_p99 and top1_agreement (share of scored tokens whose argmax is the float one), "
+                        "as llama.cpp's perplexity --kl-divergence does, and the float model's perplexity there")
     p.add_argument("--provider", choices=("cpu", "htp"), default="cpu",
                    help="with --onnx: cpu (exact QDQ reference, graph optimizations off) or htp (the QNN HTP "
                         "backend of onnxruntime-qnn, emulated on the CPU, fallback disabled; runs the folder's "

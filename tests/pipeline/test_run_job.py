@@ -47,6 +47,12 @@ def test_run_writes_every_file_and_a_complete_report(first_run):
     # the exported graphs compute what the quantized programs compute
     q, e = report["perplexity"]["quantized"], report["perplexity"]["exported"]
     assert abs(e["word_perplexity"] / q["word_perplexity"] - 1) < 0.01
+    # divergence from float on the same windows (tests/eval/test_eval_kld.py checks the arithmetic): 16a8w
+    # moves a tiny random model's logits by little (tests/runtime/test_quantized_cli.py: 6.5e-4 nats)
+    assert "kld_mean" not in report["perplexity"]["float"]
+    for row in (q, e):
+        assert 0 < row["kld_mean"] < 0.01 and row["kld_p99"] > 0 and 0.5 < row["top1_agreement"] <= 1
+    assert "KLD mean (nats)" in (out / "report.html").read_text()
     assert report["export"]["qnn_version"] == "2.51.0" and report["export"]["htp_arch"] == 73
     assert len(report["layers"]["layers"]) == 2 * 7 + 1  # q k v o gate up down per layer, and the lm head
     assert [g["prompt"] for g in report["generations"]] and all(g["tokens"] >= 1 for g in report["generations"])

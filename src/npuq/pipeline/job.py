@@ -39,6 +39,7 @@ from npuq.quantize.stage import QuantizeOptions, QuantizeResult, check_quantize,
 from npuq.records import from_json, to_json
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.generate import generate
+from npuq.runtime.runner import forward_logits
 from npuq.runtime.workloads import PHASES, phase_workload
 from npuq.threads import cpu_limits, cpu_model, tune_cached
 
@@ -224,13 +225,30 @@ class Job:
                 finally:
                     self.loaded.model.to("cpu")  # the later stages run it on the CPU
             programs = self.artifact_programs() if of == "quantize" else self.export_programs()
-            with ctx.scope("prefill"):  # prefill chunks
-                return programs.to(ctx.device).evaluate(self.tokenizer, self.documents, e.context,
-                                                        max_tokens=e.max_tokens, progress=ctx.progress,
-                                                        device=ctx.device)
+            loaded = self.unrotated_float()
+            model = loaded.model.to(ctx.device)  # the reference: scored on each batch of windows right after the graphs
+            try:
+                with ctx.scope("prefill"):  # prefill chunks
+                    result = programs.to(ctx.device).evaluate(self.tokenizer, self.documents, e.context,
+                                                              max_tokens=e.max_tokens, progress=ctx.progress,
+                                                              device=ctx.device,
+                                                              reference_fn=lambda tokens: forward_logits(model, tokens))
+            finally:
+                model.to("cpu")  # the later stages run it on the CPU
+            return replace(result, reference={"model": loaded.name, **result.reference})
 
         inputs = {**base, "options": to_json(e), "of": self.keys[of] if of else "float", "device": str(ctx.device)}
+        if of is not None:  # kld_mean, kld_p99, top1_agreement against the float model (docs/design.md §14)
+            inputs["kl_divergence"] = True
         self.stage(name, inputs, build, EvalResult)
+
+    def unrotated_float(self) -> Any:
+        """The float model as loaded: the reference of the divergence from float. A copy that
+        :meth:`float_in_artifact_basis` rotated computes the same function only to float rounding,
+        so it is dropped and loaded again (seconds)."""
+        if self._rotated:
+            self.release_float()
+        return self.loaded
 
     def artifact_programs(self) -> Programs:
         return open_programs(artifact=str(self.folders["quantize"] / "artifact"))

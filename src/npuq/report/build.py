@@ -18,10 +18,13 @@ from npuq.report.html import Figure, Section, Table, figure_png, render
 WORST = 5
 
 
+DIVERGENCE = ("kld_mean", "kld_p99", "top1_agreement")  # against the float model, on the same windows
+
+
 def _ppl_rows(ppl: dict[str, dict[str, Any]]) -> list[list[Any]]:
     base = ppl["float"]["word_perplexity"]
     return [[name, r["word_perplexity"], r["word_perplexity"] / base, r["byte_perplexity"], r["bits_per_byte"],
-             r["tokens"], r["seconds"]] for name, r in ppl.items()]
+             *(r.get(k) for k in DIVERGENCE), r["tokens"], r["seconds"]] for name, r in ppl.items()]
 
 
 def _kind(path: str) -> str:
@@ -106,7 +109,8 @@ def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
         "calibration": calibration,
         "layers": {"tokens": res["layers"]["tokens"], "layers": layer_list, "worst": worst_layers},
         "perplexity": {k: {f: getattr(v, f) for f in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens",
-                                                      "words", "bytes", "documents", "context", "seconds")}
+                                                      "words", "bytes", "documents", "context", "seconds")
+                           + (DIVERGENCE if k != "float" else ())}
                        for k, v in ppl.items()},
         "export": {k: getattr(export, k) for k in ("qnn_version", "qnn_version_source", "htp_arch", "soc",
                                                    "embedding_pattern", "files")},
@@ -140,7 +144,10 @@ def render_html(report: dict[str, Any]) -> str:
         f"{m['model']} ({m['architecture']}, {m['parameters'] / 1e6:.1f} M parameters) quantized {report['scheme']} "
         f"with recipe {report['recipe']['name']}: word perplexity {ppl['float']['word_perplexity']:.2f} (float) → "
         f"{ppl['quantized']['word_perplexity']:.2f} (quantized, {ratio:.3f}x) → "
-        f"{ppl['exported']['word_perplexity']:.2f} (exported QDQ ONNX on ONNX Runtime).",
+        f"{ppl['exported']['word_perplexity']:.2f} (exported QDQ ONNX on ONNX Runtime). Divergence from the float "
+        f"model, per scored token: KLD mean {ppl['quantized']['kld_mean']:.4g} nats, top-1 agreement "
+        f"{ppl['quantized']['top1_agreement']:.1%} (quantized); {ppl['exported']['kld_mean']:.4g} nats, "
+        f"{ppl['exported']['top1_agreement']:.1%} (exported).",
         f"Exported for {qnn}, HTP arch {_arch(exp)}, embedding pattern {exp['embedding_pattern']}. "
         f"Deployable files: onnx/ ({', '.join(Path(f).name for f in report['files']['onnx'])}); the quantized "
         f"programs and encodings: artifact/.",
@@ -149,12 +156,16 @@ def render_html(report: dict[str, Any]) -> str:
     ])
     model = Section("Model", [Table(["fact", "value"], [[k, v] for k, v in m.items()])])
     perplexity = Section("Perplexity", [
-        Table(["graphs", "word ppl", "× float", "byte ppl", "bits/byte", "tokens", "seconds"], _ppl_rows(ppl),
+        Table(["graphs", "word ppl", "× float", "byte ppl", "bits/byte", "KLD mean (nats)", "KLD p99 (nats)",
+               "top-1 agreement", "tokens", "seconds"], _ppl_rows(ppl),
               caption=f"context {ppl['float']['context']}, {ppl['float']['documents']} documents of the "
                       f"{report['options']['eval_corpus']} corpus's eval split, each token scored once"),
         "quantized = the PT2E QDQ programs (prefill chunks, then decode steps with the quantized KV cache, as on "
         "the device); exported = decode.onnx and prefill.onnx on ONNX Runtime's CPU provider with graph "
-        "optimizations off (the exact QDQ reference).",
+        "optimizations off (the exact QDQ reference). KLD: KL(float ‖ graphs) of each scored token's next-token "
+        "distribution over the whole vocabulary, from the float model run on the same windows (its mean and 99th "
+        "percentile, as llama.cpp's perplexity --kl-divergence reports); top-1 agreement: the share of scored "
+        "tokens whose most likely next token is the float model's.",
     ])
     gens = report["generations"]
     generations = Section("Greedy generations", [Table(
