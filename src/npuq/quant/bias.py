@@ -23,6 +23,10 @@ a coarser grid (fewer of their codes used); the activation grid, shared by every
 every reader of x, stays as it is. ONNX Runtime's QDQ quantizer for the QNN provider and
 TFLite's converter make the same choice (raise the weight scale). The margin 2^-10 covers the
 float32 roundings of s_in, s_w and their product (2^-24 each).
+
+A scale pinned by SeqMSE/GPTQ (npuq.optimize) is raised the same way: that channel's weights,
+rounded on the pinned grid, are then rounded again on the coarser one at convert. The bias
+room depends on s_in, known only after calibration, while the search runs before it.
 """
 
 from __future__ import annotations
