@@ -18,9 +18,13 @@ each rotation; ``--set recovery``: the recovery methods one by one on the builti
 recipes; ``--set calibration``: 16a8w (plain and rotated r1), 16a4w, 16a4w_block and
 16a4w_mixed (rotated r1, SeqMSE + GPTQ) calibrated on the builtin calib split alone or half
 and half with other prose (``builtin+prose``: the calib split of ``prose`` is Milton's
-Areopagitica, never scored). Writes JSON:
+Areopagitica, never scored). ``--layer-tokens N`` also records, per quantized row, every linear
+layer's output and weight SQNR against the float model in the row's basis (rotated as the row
+is; npuq.eval.layers, as ``npuq run``'s layers stage) on the first N tokens of the builtin eval
+split, and for rows that rotate, the lowest and the largest loss against the same row
+unrotated when that row ran too. Writes JSON:
 
-    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 2048] [--eval-tokens 4096] [--out FILE]
+    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 2048] [--eval-tokens 4096] [--layer-tokens 0] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from npuq.fsio import write_json
 from npuq.calibrate.split import split_windows
 from npuq.data import load_corpus
+from npuq.eval.layers import layer_errors
 from npuq.eval.perplexity import evaluate_perplexity
 from npuq.models import load_model
 from npuq.quantize.passes import fold_constant_dequant
@@ -105,6 +110,7 @@ def main() -> None:
     ap.add_argument("--set", choices=sorted(SETS), default="domains", help="which configurations (see above)")
     ap.add_argument("--only", action="append", help="run only configurations whose label contains this")
     ap.add_argument("--exact", action="store_true", help="--only names whole labels")
+    ap.add_argument("--layer-tokens", type=int, default=0, help="per-layer SQNR on this many eval tokens (0: off)")
     ap.add_argument("--out", default="out/bench/accuracy.json")
     args = ap.parse_args()
 
@@ -151,6 +157,26 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     rows: list[dict] = []
+    layer_ids = corpus_tokens(tok, "builtin", args.layer_tokens, split="eval") if args.layer_tokens else []
+
+    def compare_layers(row: dict) -> None:
+        """For a rotated row: per-layer output SQNR minus that of the same row unrotated (if it ran)."""
+        twin = next((r for r in rows if "layers" in r and r is not row and r["rotate"] is None
+                     and (r["recipe"], r["seq_mse"], r["rounding"], r["calib"])
+                     == (row["recipe"], row["seq_mse"], row["rounding"], row["calib"])), None)
+        if row["rotate"] is None or twin is None:
+            return
+        diff = {p: row["layers"][p]["output_sqnr_db"] - twin["layers"][p]["output_sqnr_db"] for p in twin["layers"]
+                if row["layers"].get(p, {}).get("output_sqnr_db") is not None
+                and twin["layers"][p]["output_sqnr_db"] is not None}
+        worst = min(diff, key=diff.get)
+        row["vs_unrotated"] = {"of": twin["config"], "worst_layer": worst, "worst_db": diff[worst],
+                               "mean_db": sum(diff.values()) / len(diff), "layers_better": sum(d > 0 for d in diff.values()),
+                               "layers": len(diff),
+                               "lowest_db": min(v["output_sqnr_db"] for v in row["layers"].values()
+                                                if v["output_sqnr_db"] is not None),
+                               "unrotated_lowest_db": min(v["output_sqnr_db"] for v in twin["layers"].values()
+                                                          if v["output_sqnr_db"] is not None)}
     evaluate(lambda t: forward_logits(model, t), {"config": "float", "rotate": None})
     selected = [spec for spec in SETS[args.set]
                 if not args.only or any(o == spec["config"] if args.exact else o in spec["config"] for o in args.only)]
@@ -179,6 +205,14 @@ def main() -> None:
         qm.decode, qm.prefill, qm.scoring = (fold_constant_dequant(gm, folded) for gm in (qm.decode, qm.prefill, qm.scoring))
         with torch.no_grad():
             evaluate(qm.logits, row, SCORING_BATCH)  # four windows per call, as npuq eval --artifact
+        if args.layer_tokens:
+            load_weights(spec["rotate"])  # the float weights in the row's basis (recovery rounded them in place)
+            errors = layer_errors(model, qm.graphs(), qm.config, args.context, layer_ids)
+            row["layers"] = {e.path: {"output_sqnr_db": e.output_sqnr_db, "weight_sqnr_db": e.weight_sqnr_db}
+                             for e in errors}
+            compare_layers(row)
+            print(json.dumps({"config": row["config"], "layers": row["layers"], "vs_unrotated": row.get("vs_unrotated")}),
+                  flush=True)
     load_weights(None)
     result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
               "eval_tokens": args.eval_tokens, "calibration": calib_specs,

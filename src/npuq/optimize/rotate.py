@@ -18,7 +18,9 @@ as h·R1 for one orthogonal R1 of the whole model:
   W → W·diag(g), and set to ones; then those linears' input side is rotated, W → W·diag(g)·R1;
 - the linears that write the residual (``o_proj``, ``down_proj``) rotate their output side,
   W → R1ᵀ·W, and their bias b → R1ᵀ·b (``o_bias`` models);
-- q/k/v outputs are not rotated by R1, so Qwen2's q/k/v biases stay as they are.
+- q/k/v outputs are not rotated by R1, so Qwen2's q/k/v biases stay as they are, while the
+  scales of the weights and inputs they are added to shrink: their int32 codes then need the
+  weight scale raised at quantization (npuq.quant.bias, docs/design.md §1 and §12).
 
 Why this is exact. RMSNorm(x) = x / sqrt(mean(x²) + eps) ⊙ g. For an orthogonal Q over the
 *full* vector that is normalised, ‖xQ‖ = ‖x‖, so mean((xQ)²) = mean(x²) (eps sits inside the

@@ -45,6 +45,7 @@ from npuq.calibrate.split import CalibrationWindows, split_windows
 from npuq.device import device_of, is_cpu, move_graph
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
+from npuq.quant.bias import fit_biases
 from npuq.quant.observers import name_observers, pin_weight_scales
 from npuq.quant.quantizer import HtpQuantizer
 from npuq.quant.recipe import Recipe, RecipePlan
@@ -236,6 +237,11 @@ def quantize_model(
     del observed
     calibrated_at = time.perf_counter()
 
+    widened = fit_biases(prepared)  # int32 biases that would be clipped: coarser weight grid instead
+    if widened and progress:
+        print(f"raised the weight scales of {len(widened)} layer(s) so that their int32 biases fit: "
+              + ", ".join(f"{w.layer} ({w.channels} channels, up to {w.max_ratio:.2f}x)" for w in widened[:4]),
+              file=sys.stderr, flush=True)
     encodings = collect_encodings(prepared)
     converted = convert(prepared)
     decode = specialize(converted, example_inputs(cfg, "decode", context))
@@ -259,6 +265,7 @@ def quantize_model(
         "threads": threads,
         "device": str(device),
         "batch_size": batch_size if mode == "onepass" else 1,
+        "bias_fit": [w.to_dict() for w in widened],
     }
     return QuantizedModel(cfg, context, prefill_len, decode, prefill, encodings, recipe, quantizer.plan, stats, scoring)
 

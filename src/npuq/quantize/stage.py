@@ -124,7 +124,7 @@ def check_quantize(options: QuantizeOptions) -> Any:
     from npuq.data.corpora import load_corpus
     from npuq.quant.recipe import load_recipe
 
-    recipe = load_recipe(options.recipe, options.scheme, options.model)
+    recipe = load_recipe(options.recipe, options.scheme)
     if options.rotate is not None:
         recipe = recipe.with_rotation(None if options.rotate == "none" else options.rotate)
     return recipe, load_corpus(options.calib_corpus, "calib")  # an empty or missing corpus fails here
