@@ -164,10 +164,10 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     from npuq.quant.schemes import SCHEMES
 
     p.add_argument("--scheme", choices=list(SCHEMES), metavar="S",
-                   help=f"default scheme, one of {', '.join(SCHEMES)} (default: the recipe's; smollm2-135m: 16a8w)")
+                   help=f"default scheme, one of {', '.join(SCHEMES)} (default: the recipe's; the default recipe's is 16a8w)")
     p.add_argument("--recipe", metavar="R",
                    help=f"built-in recipe ({', '.join(RECIPES)}) or a JSON file of rules; --scheme replaces its "
-                        "default (default: the model's built-in recipe)")
+                        "default (default: 16a8w with R1, the same for every model)")
     p.add_argument("--calib-corpus", default="builtin", metavar="C",
                    help="corpus whose calib split is the calibration text: builtin, file:PATH, wikitext2, prose "
                         "(Milton's Areopagitica, downloaded on first use), or a mix joined by '+' that takes an equal "
