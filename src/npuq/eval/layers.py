@@ -25,6 +25,7 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 from npuq.models.config import ModelConfig
+from npuq.quant.graph import attr_tensor
 from npuq.runtime.runner import StaticRunner
 
 LINEAR = torch.ops.aten.linear.default
@@ -60,15 +61,6 @@ def module_path(node: Node) -> str | None:
     return list(stack.values())[-1][0]
 
 
-def _constant(gm: GraphModule, node: Any) -> torch.Tensor | None:
-    if not isinstance(node, Node) or node.op != "get_attr":
-        return None
-    obj: Any = gm
-    for part in node.target.split("."):
-        obj = getattr(obj, part)
-    return obj if isinstance(obj, torch.Tensor) else None
-
-
 class _Recorder(Interpreter):
     """Runs a program and keeps every linear node's output, by module path, in call order."""
 
@@ -90,7 +82,7 @@ def linear_weights(gm: GraphModule) -> dict[str, torch.Tensor]:
     weights = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is LINEAR:
-            path, w = module_path(n), _constant(gm, n.args[1])
+            path, w = module_path(n), attr_tensor(gm, n.args[1])
             if path is not None and w is not None:
                 weights[path] = w
     return weights

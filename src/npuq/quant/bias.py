@@ -35,9 +35,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 from torchao.quantization.pt2e import DerivedObserverOrFakeQuantize
 
+from npuq.quant.graph import attr_tensor
 from npuq.quant.observers import LpbqPerChannelObserver, PerChannelWeightObserver
 
 INT32_MAX = 2**31 - 1
@@ -56,15 +57,6 @@ class WidenedBias:
         return asdict(self)
 
 
-def _constant(gm: GraphModule, node: Any) -> torch.Tensor | None:
-    if not isinstance(node, Node) or node.op != "get_attr":
-        return None
-    obj: Any = gm
-    for part in node.target.split("."):
-        obj = getattr(obj, part)
-    return obj if isinstance(obj, torch.Tensor) else None
-
-
 def _bias_observers(gm: GraphModule):
     """(derived bias observer, bias tensor) for every int32 bias whose scale is derived from an
     activation and a per-channel weight observer (npuq.quant.specs.bias_spec)."""
@@ -76,7 +68,7 @@ def _bias_observers(gm: GraphModule):
         obs = gm.get_submodule(node.target)
         if not isinstance(obs, DerivedObserverOrFakeQuantize) or obs.derive_qparams_fn is not _derive_bias_qparams:
             continue
-        bias = _constant(gm, node.args[0])
+        bias = attr_tensor(gm, node.args[0])
         if bias is not None:
             yield obs, bias.detach()
 

@@ -14,6 +14,17 @@ from torch.fx import GraphModule, Node
 
 aten = torch.ops.aten
 
+
+def attr_tensor(gm: GraphModule, node: object) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` node reads (its dotted target walked one name at a time); None
+    for anything else."""
+    if not isinstance(node, Node) or node.op != "get_attr":
+        return None
+    obj: object = gm
+    for part in node.target.split("."):
+        obj = getattr(obj, part)
+    return obj if isinstance(obj, torch.Tensor) else None
+
 # Ops that only move or view data: their output keeps the input's encoding.
 DATA_MOVERS = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int, aten.permute.default,
