@@ -299,16 +299,9 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     ctx = _context_of(args)  # cheap checks before the model loads
     documents = load_corpus(options.corpus, options.split)
     if args.artifact or args.onnx:  # prefill chunks and decode steps from an empty cache, as on the device
-        from npuq.pipeline.programs import open_programs
         from npuq.runtime.runner import forward_logits
 
-        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
-        if options.context > programs.context:
-            raise NpuqError(f"--context {options.context} exceeds the {programs.context} tokens the graphs were built "
-                            f"for: use --context {programs.context} or less")
-        loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
-        programs.to(ctx.device)
-        ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
+        programs, loaded = _open_graphs(args, ctx, options.context)
         encoder, reference_fn = loaded.encoder, None
         if args.kl_divergence:  # the float model scores each batch of windows right after the graphs
             model = loaded.model.to(ctx.device)
@@ -351,6 +344,23 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     return to_json(result)
 
 
+def _open_graphs(args: argparse.Namespace, ctx: Any, context: int | None = None) -> tuple[Any, Any]:
+    """(the --artifact / --onnx graphs on ctx's device, the float model they were made from) with
+    the prefill phase's threads planned on that model; a --context beyond the graphs' is refused
+    before the model loads."""
+    from npuq.models import load_model
+    from npuq.pipeline.programs import open_programs
+
+    programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
+    if context is not None and context > programs.context:
+        raise NpuqError(f"--context {context} exceeds the {programs.context} tokens the graphs were built "
+                        f"for: use --context {programs.context} or less")
+    loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
+    programs.to(ctx.device)
+    ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
+    return programs, loaded
+
+
 def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
     """``npuq eval --tasks``: lm-evaluation-harness's tasks on the float model, an artifact's
     programs or an export's graphs (npuq.eval.lm_eval_adapter)."""
@@ -376,11 +386,7 @@ def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
     manager = task_manager(tasks, args.include_path)  # unknown names refused before any model loads
     start = time.perf_counter()
     if args.artifact or args.onnx:  # the device flow: prefill chunks and decode steps from an empty cache
-        from npuq.pipeline.programs import open_programs
-
-        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(ctx.device)
-        loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
-        ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
+        programs, loaded = _open_graphs(args, ctx)
         lm = NpuqLM(loaded.tokenizer, programs.config, programs.graphs, programs.logits, programs.context,
                     programs.batch, ctx.device, name=str(args.artifact or args.onnx))
         graphs, phase = programs.describe(), "prefill"

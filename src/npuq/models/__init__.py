@@ -14,8 +14,8 @@ from npuq.errors import ModelLoadError, NpuqError
 from npuq.models import gguf_cache
 from npuq.models.config import ModelConfig, config_from_hf
 from npuq.models.decoder import StaticDecoder, rope_tables
-from npuq.models.sources import (BUILTINS, gguf_tokenizer, hf_tokenizer, read_gguf, read_gguf_shapes, read_hf_config,
-                                 read_hf_folder, resolve)
+from npuq.models.sources import (BUILTINS, gguf_tokenizer, hf_checkpoint, hf_tokenizer, read_gguf, read_gguf_shapes,
+                                 read_hf_config, read_hf_folder, resolve)
 from npuq.models.stream import StreamedDecoder
 from npuq.models.weights import Checkpoint
 
@@ -98,7 +98,7 @@ def model_info(spec: str) -> dict[str, Any]:
     kind, path = resolve(spec)
     if kind == "hf":
         cfg = config_from_hf(read_hf_config(path))
-        shapes = _checkpoint_of(path).shapes()
+        shapes = hf_checkpoint(path).shapes()
     else:
         entry = gguf_cache.entry_for(path)
         if entry is not None and entry.check() is None:
@@ -191,7 +191,7 @@ def open_streamed(spec: str, max_context: int | None = None, progress: bool = Fa
     if kind == "hf":
         hf_config = read_hf_config(path)
         cfg = _model_config(hf_config, max_context)
-        checkpoint = _checkpoint_of(path)
+        checkpoint = hf_checkpoint(path)
         model = StreamedDecoder(cfg, checkpoint, _rope_length(cfg, max_context), norm_offset=True, progress=progress)
         return LoadedModel(spec, str(path), cfg, hf_config, model, hf_tokenizer(path))
     entry = gguf_cache.entry_for(path)
@@ -201,13 +201,6 @@ def open_streamed(spec: str, max_context: int | None = None, progress: bool = Fa
         _convert(path, entry, max_context)
     cached = _load_cached(spec, path, entry, max_context, stream=True, progress=progress)
     return cached if cached is not None else load_model(spec, max_context)
-
-
-def _checkpoint_of(folder: Path) -> Checkpoint:
-    checkpoint = Checkpoint.of_folder(folder)
-    if not checkpoint.files:
-        raise ModelLoadError(f"{folder}: no *.safetensors weights; add the model's *.safetensors files")
-    return checkpoint
 
 
 def guard_model_memory(cfg: ModelConfig, source: str) -> None:

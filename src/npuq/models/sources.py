@@ -328,7 +328,12 @@ def read_hf_config(folder: Path) -> Any:
 def read_hf_folder(folder: Path) -> tuple[Any, Checkpoint, Callable[[], Any]]:
     """(transformers config, the lazy checkpoint, tokenizer factory) of a Hugging Face folder;
     only the safetensors headers are read (:class:`npuq.models.weights.Checkpoint`)."""
-    hf_config = read_hf_config(folder)
+    return read_hf_config(folder), hf_checkpoint(folder), hf_tokenizer(folder)
+
+
+def hf_checkpoint(folder: Path) -> Checkpoint:
+    """The lazy safetensors checkpoint of a Hugging Face folder; an error naming the fix when it
+    has none (pickled weights are never loaded)."""
     checkpoint = Checkpoint.of_folder(folder)
     if not checkpoint.files:
         pickled = [p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
@@ -337,7 +342,7 @@ def read_hf_folder(folder: Path) -> tuple[Any, Checkpoint, Callable[[], Any]]:
             if pickled else "add the model's *.safetensors files"
         )
         raise ModelLoadError(f"{folder}: no *.safetensors weights ({hint})")
-    return hf_config, checkpoint, hf_tokenizer(folder)
+    return checkpoint
 
 
 def hf_tokenizer(folder: Path) -> Callable[[], Any]:

@@ -106,15 +106,7 @@ class Checkpoint:
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as float32 (module docstring: mapped, or widened from bf16/fp16)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import safe_open
-
-        entry = self.entries[name]
-        try:
-            with safe_open(str(entry.file), framework="pt") as f:
-                return f.get_tensor(entry.key).float()
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise ModelLoadError(f"{entry.file}: unreadable safetensors file (truncated or corrupt?): {exc}") from None
+        return self.load((name,))[name]
 
     def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (default: all) as float32, file by file (each file opened once)."""
