@@ -53,7 +53,7 @@ def export_graph(model: torch.nn.Module, mode: str, context: int, ar_len: int | 
     return program.module()
 
 
-def export_model_graph(model: torch.nn.Module) -> GraphModule:
+def export_model_graph(model: torch.nn.Module, device: str = "cpu") -> GraphModule:
     """The one graph of the model: tokens, mask, positions and one K and V cache per layer, with
     symbolic batch B, ar_len T and cache length C (mask length C + T), named by
     :func:`static_names`. Traced at B, T, C = 4, 2, 3 (distinct and above 1, so that no size is
@@ -64,23 +64,26 @@ def export_model_graph(model: torch.nn.Module) -> GraphModule:
     layer and the first later layer of each kind) and the others are copies of their kind's
     template layer (:func:`stitch_layers`); a model no deeper than its template is traced whole.
     ``tests/quant/test_quant_onegraph.py`` checks, node by node, that both give the same graph.
+    ``device``: where the example inputs are made (the model's device; "meta" for
+    :func:`meta_model_graph`).
     """
     picks = template_layers(model)
     if len(picks) < model.config.num_layers:
-        template = _export_dynamic(_with_layers(model, picks))
+        template = _export_dynamic(_with_layers(model, picks), device)
         try:
             return static_names(stitch_layers(template, model, picks))
         except StitchError as exc:  # a layout this code does not know: trace the whole model
             log.debug("tracing the whole model: %s", exc)
-    return static_names(_export_dynamic(model))
+    return static_names(_export_dynamic(model, device))
 
 
-def _export_dynamic(model: torch.nn.Module) -> GraphModule:
+def _export_dynamic(model: torch.nn.Module, device: str = "cpu") -> GraphModule:
     cfg = model.config
     B, T, C = 4, 2, 3
-    tokens, mask, positions = step_inputs(cfg, torch.zeros(B, T, dtype=torch.long), 0, C + T)
+    tokens, mask, positions = step_inputs(cfg, torch.zeros(B, T, dtype=torch.long, device=device), 0, C + T)
     KV, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
-    caches = tuple(torch.zeros(B, KV, D, C) for _ in range(L)) + tuple(torch.zeros(B, KV, C, D) for _ in range(L))
+    caches = (tuple(torch.zeros(B, KV, D, C, device=device) for _ in range(L))
+              + tuple(torch.zeros(B, KV, C, D, device=device) for _ in range(L)))
     A = Dim.AUTO
     dynamic = ({0: A, 1: A}, {0: A, 2: A, 3: A}, {0: A, 1: A},
                tuple([{0: A, 3: A}] * L + [{0: A, 2: A}] * L))
@@ -389,3 +392,133 @@ def calibration_view(prepared: GraphModule) -> GraphModule:
             env[node] = view.node_copy(node, env.__getitem__)
     view._codegen = CodeGen()
     return GraphModule(prepared, view)  # shares the observer modules and weights, copies nothing
+
+
+HIDDEN = "hidden"  # the input of a part that starts after layer 0: the hidden states (B, T, hidden)
+
+
+def meta_model_graph(cfg: Any, max_context: int) -> GraphModule:
+    """:func:`export_model_graph` of a model of config ``cfg`` whose tensors are all on the meta
+    device: the graph without a byte of weights (a 7B model's graph is traced in the memory of
+    its nodes). Its ``get_attr`` nodes name the weights; :func:`part_graph` cuts a part out of it
+    and binds that part's real tensors. Tensors the model makes while it runs (``device=``
+    arguments) are made on the CPU, where the parts run."""
+    from npuq.models.decoder import StaticDecoder
+
+    with torch.device("meta"):
+        skeleton = StaticDecoder(cfg, max_context)
+    gm = export_model_graph(skeleton.to("meta"), device="meta")
+    for node in gm.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type == "meta":
+            node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
+    gm.recompile()
+    return gm
+
+
+def _results(nodes: list[Node], span_of: dict[Node, int]) -> dict[int, Node]:
+    """Each layer's result: the one value of its nodes that an op outside the layer reads."""
+    results: dict[int, list[Node]] = {}
+    for n, m in span_of.items():
+        if not is_shape_node(n) and any(u.op != "output" and span_of.get(u) != m for u in n.users):
+            results.setdefault(m, []).append(n)
+    for m, leaving in results.items():
+        if len(leaving) != 1:
+            raise ValueError(f"layer {m} passes {len(leaving)} values on, not 1")
+    return {m: leaving[0] for m, leaving in results.items()}
+
+
+def part_graph(whole: GraphModule, first: int, end: int, weights: torch.nn.Module) -> GraphModule:
+    """Layers ``first`` … ``end - 1`` of the model graph ``whole`` (:func:`export_model_graph` or
+    :func:`meta_model_graph`) as a graph of their own, with the same node names, ops and symbolic
+    sizes. Inputs, positional: the token ids (a part starting at layer 0, which holds the
+    embedding) or the hidden states :data:`HIDDEN` (B, T, hidden) that layer ``first - 1``
+    passes on; the mask; the positions; the part's K caches; its V caches. Outputs: the logits
+    (a part ending at the last layer, which holds the final norm and head) or the hidden states
+    layer ``end - 1`` passes on; the part's K news; its V news. Chained in order, the parts compute
+    what ``whole`` computes, op for op (:class:`npuq.runtime.runner.PartChain`).
+
+    A weight is read from ``weights`` (a module with the model's parameter names, holding at
+    least this part's real tensors), any other constant from ``whole``. A size the part's ops
+    read off a value it no longer has (the batch of the token ids) is read off an input of the
+    part with the same symbolic size."""
+    from torch.fx.graph import CodeGen
+
+    nodes = [n for n in whole.graph.nodes if not is_input_guard(n)]
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    L = (len(placeholders) - 3) // 2
+    if not 0 <= first < end <= L:
+        raise ValueError(f"layers {first}..{end - 1} are not a part of a model of {L} layers")
+    span_of = {n: m for n in nodes if n.op == "call_function" and (m := _layer_of(n)) is not None}
+    results = _results(nodes, span_of)
+    outs = next(n for n in nodes if n.op == "output").args[0]
+    targets = [outs[0] if end == L else results[end - 1],
+               *outs[1 + first : 1 + end], *outs[1 + L + first : 1 + L + end]]
+    cut = results[first - 1] if first > 0 else None
+    tokens, mask, positions = placeholders[:3]
+    inputs = [tokens if cut is None else cut, mask, positions,
+              *placeholders[3 + first : 3 + end], *placeholders[3 + L + first : 3 + L + end]]
+
+    needed: set[Node] = set(inputs)
+    stack = list(targets)
+    while stack:  # what the targets read, back to the part's inputs; sizes are bound below
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        if not is_shape_node(n):
+            stack.extend(n.all_input_nodes)
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    for n in inputs:
+        if n is cut:
+            env[n] = graph.placeholder(HIDDEN)
+            env[n].meta = {"val": n.meta["val"]}
+        else:
+            env[n] = graph.node_copy(n, env.__getitem__)
+            env[n].meta = dict(n.meta)
+    sizes = [(env[n], d, s.node.expr) for n in inputs for d, s in enumerate(n.meta["val"].shape)
+             if isinstance(s, torch.SymInt)]
+
+    def copy_shape(n: Node) -> Node:
+        if all(a in env for a in n.all_input_nodes):
+            return graph.node_copy(n, env.__getitem__)
+        if n.target is aten.sym_size.int:
+            expr = n.args[0].meta["val"].shape[n.args[1]].node.expr
+            match = next(((p, d) for p, d, e in sizes if e == expr), None)
+            if match is not None:
+                return graph.call_function(aten.sym_size.int, match)
+        raise ValueError(f"{n.name} reads a value outside layers {first}..{end - 1}")
+
+    def resolve(a: Node) -> Node:
+        if a not in env:
+            env[a] = copy_shape(a)  # a shape node first read here
+            env[a].meta = dict(a.meta)
+        return env[a]
+
+    for n in nodes:
+        if n in env or n not in needed or n.op in ("placeholder", "output"):
+            continue
+        if is_shape_node(n):
+            resolve(n)
+            continue
+        for a in n.all_input_nodes:
+            if a not in env and is_shape_node(a):
+                resolve(a)
+        env[n] = graph.node_copy(n, env.__getitem__)
+        env[n].meta = dict(n.meta)
+    graph.output(tuple(env[t] for t in targets))
+    graph._codegen = CodeGen()  # positional inputs
+    graph.lint()
+    root: dict[str, Any] = {}
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            try:
+                root[n.target] = _attr(weights, n.target)
+            except AttributeError:
+                root[n.target] = _attr(whole, n.target)
+    return GraphModule(root, graph)
+
+
+def _attr(module: torch.nn.Module, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
