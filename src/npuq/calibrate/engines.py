@@ -25,35 +25,56 @@ from npuq.runtime.runner import StaticRunner, step_inputs
 Progress = Callable[[int], None]  # called with the number of tokens just calibrated
 
 
-def empty_caches(cfg: ModelConfig, batch: int, device: torch.device | str) -> tuple[torch.Tensor, ...]:
-    """K then V caches of zero slots: (B, KV, D, 0) and (B, KV, 0, D) per layer."""
-    KV, D, L = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+def empty_caches(cfg: ModelConfig, batch: int, device: torch.device | str,
+                 layers: int | None = None) -> tuple[torch.Tensor, ...]:
+    """K then V caches of zero slots: (B, KV, D, 0) and (B, KV, 0, D) per layer (``layers``
+    of them; default all of the model's)."""
+    KV, D = cfg.num_kv_heads, cfg.head_dim
+    L = cfg.num_layers if layers is None else layers
     return (tuple(torch.zeros(batch, KV, D, 0, device=device) for _ in range(L))
             + tuple(torch.zeros(batch, KV, 0, D, device=device) for _ in range(L)))
 
 
-def calibrate_onepass(
-    graph: GraphModule, cfg: ModelConfig, windows: CalibrationWindows, batch_size: int = 8,
-    progress: Progress | None = None,
-) -> None:
-    """Run the observed calibrate graph (dynamic B, T) on whole windows, ``batch_size`` per
-    forward, then the tail as its own shorter forward: no padded position reaches an observer.
-    A graph with cache inputs (:func:`npuq.calibrate.graphs.calibration_view`) gets an empty
-    cache, so each window still starts from position 0 with nothing before it."""
+def onepass_batches(windows: CalibrationWindows, batch_size: int) -> list[torch.Tensor]:
+    """The token ids of each one-pass forward: whole windows ``batch_size`` at a time, then the
+    tail on its own."""
     # Slices rather than Tensor.split: the same views, and split's confuse torch's lazy backend,
     # which the device tests use as a second device on CPU-only machines.
     full = windows.full
     batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
-    batches += [windows.tail] if windows.tail is not None else []
-    with_cache = len(graph_inputs(graph)) > 3
+    return batches + ([windows.tail] if windows.tail is not None else [])
+
+
+def calibrate_onepass(
+    graph: GraphModule, cfg: ModelConfig, windows: CalibrationWindows, batch_size: int = 8,
+    progress: Progress | None = None, *, hidden: list[torch.Tensor] | None = None, keep: bool = False,
+) -> list[torch.Tensor] | None:
+    """Run the observed calibrate graph (dynamic B, T) on whole windows, ``batch_size`` per
+    forward, then the tail as its own shorter forward: no padded position reaches an observer.
+    A graph with cache inputs (:func:`npuq.calibrate.graphs.calibration_view`) gets an empty
+    cache, so each window still starts from position 0 with nothing before it.
+
+    A part of the model (:func:`npuq.calibrate.graphs.part_graph`) takes ``hidden``, the hidden
+    states of each forward (:func:`onepass_batches`) that the part before it returned, instead
+    of the token ids, and caches for its own layers; ``keep``: return what each forward
+    returned first (the hidden states the next part takes)."""
+    batches = onepass_batches(windows, batch_size)
+    if hidden is not None and len(hidden) != len(batches):
+        raise ValueError(f"{len(hidden)} hidden-state batches for {len(batches)} forwards")
+    n_caches = len(graph_inputs(graph)) - 3
+    kept = []
     with torch.no_grad():
-        for tokens in batches:
+        for j, tokens in enumerate(batches):
             T = tokens.shape[1]
-            caches = empty_caches(cfg, tokens.shape[0], tokens.device) if with_cache else ()
-            graph(*step_inputs(cfg, tokens, 0, T), *caches)
+            caches = empty_caches(cfg, tokens.shape[0], tokens.device, n_caches // 2) if n_caches else ()
+            _, mask, positions = step_inputs(cfg, tokens, 0, T)
+            out = graph(tokens if hidden is None else hidden[j], mask, positions, *caches)
             check_observers(graph)
+            if keep:
+                kept.append(out[0])
             if progress:
                 progress(tokens.numel())
+    return kept if keep else None
 
 
 def calibrate_sequential(

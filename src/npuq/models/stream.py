@@ -81,6 +81,20 @@ class StreamedDecoder(nn.Module):
             bar.update()
             return (logits,)
 
+    def part_names(self, first: int, end: int) -> tuple[str, ...]:
+        """The tensors of layers first … end - 1, with the embedding if ``first`` is 0 and the final
+        norm and head if ``end`` is the last layer's: what a part of the model graph binds
+        (:func:`npuq.calibrate.graphs.part_graph`)."""
+        prefixes = tuple(f"layers.{i}." for i in range(first, end))
+        names = [name for name in self.skeleton.state_dict() if name.startswith(prefixes)]
+        return (*(("embed_tokens.weight",) if first == 0 else ()), *names,
+                *(_HEAD if end == self.config.num_layers else ()))
+
+    def resident_part(self, first: int, end: int) -> contextlib.AbstractContextManager[None]:
+        """Inside, the skeleton holds the weights of :meth:`part_names` (read and checked); they
+        are freed on leaving."""
+        return self._resident(self.part_names(first, end))
+
     @contextlib.contextmanager
     def _resident(self, names: tuple[str, ...]) -> Iterator[None]:
         """Inside, the skeleton's tensors ``names`` hold the checkpoint's weights (checked for

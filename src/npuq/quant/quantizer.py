@@ -54,15 +54,18 @@ def model_layers(gm: GraphModule) -> list[tuple[str, str]]:
 class HtpQuantizer(Quantizer):
     """PT2E quantizer for the static decoder graphs (calibrate, prefill, decode)."""
 
-    def __init__(self, recipe: Recipe, num_layers: int):
+    def __init__(self, recipe: Recipe, num_layers: int, plan: RecipePlan | None = None):
+        """``plan``: the recipe matched against the whole model, for a graph that holds a part
+        of it (whose layers alone could leave a rule unmatched); None: matched against the graph."""
         super().__init__()
         self.recipe = recipe
         self.num_layers = num_layers
-        self.plan: RecipePlan | None = None
+        self.plan: RecipePlan | None = plan
 
     # ---------------------------------------------------------------- annotate
     def annotate(self, model: GraphModule) -> GraphModule:
-        self.plan = self.recipe.plan(model_layers(model))
+        if self.plan is None:
+            self.plan = self.recipe.plan(model_layers(model))
         kv_roots = set(g.kv_output_roots(model, self.num_layers))
         default_act = self.recipe.scheme.activation
         out_fmt: dict[Node, TensorFormat] = {}  # the activation format each annotated node produces

@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.fx import GraphModule
@@ -40,18 +40,19 @@ from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
 from npuq.calibrate.encodings import collect_encodings
 from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
-from npuq.calibrate.graphs import calibration_view, export_graph, export_model_graph
+from npuq.calibrate.graphs import calibration_view, export_graph, export_model_graph, meta_model_graph, part_graph
 from npuq.calibrate.split import CalibrationWindows, split_windows
 from npuq.device import device_of, is_cpu, move_graph
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
+from npuq.models.stream import StreamedDecoder
 from npuq.quant.bias import fit_biases
 from npuq.quant.observers import name_observers, pin_weight_scales
-from npuq.quant.quantizer import HtpQuantizer
+from npuq.quant.quantizer import HtpQuantizer, model_layers
 from npuq.quant.recipe import Recipe, RecipePlan
 from npuq.quantize.passes import convert, specialize
 from npuq.resources import available_memory, guard_calibration_batch
-from npuq.runtime.runner import example_inputs, run_programs
+from npuq.runtime.runner import PartChain, example_inputs, run_programs
 from npuq.threads.scope import scope_or_keep
 
 CALIBRATION_MODES = ("onepass", "sequential")
@@ -80,6 +81,9 @@ class QuantizedModel:
     # row takes the prefill chunks a device runs, and one call reads every weight once for
     # SCORING_BATCH rows instead of one (:func:`npuq.runtime.runner.run_programs`).
     scoring: GraphModule | None = None
+    # A model quantized in parts: each part's (first, end) layers; decode, prefill and scoring
+    # are then PartChains (None where the parts went to an artifact as they were made).
+    parts: tuple[tuple[int, int], ...] | None = None
 
     def graphs(self) -> dict[int, GraphModule]:
         """The device's programs by ar_len: decode (1) and prefill, at batch 1."""
@@ -88,8 +92,8 @@ class QuantizedModel:
     def to(self, device: str | torch.device) -> QuantizedModel:
         """Move the programs to ``device`` in place (:func:`npuq.device.move_graph`); returns self."""
         for gm in (self.decode, self.prefill, self.scoring):
-            if gm is not None:
-                move_graph(gm, device)
+            for program in gm.programs if isinstance(gm, PartChain) else [gm] if gm is not None else []:
+                move_graph(program, device)
         return self
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -140,8 +144,9 @@ def _observer_names_in_linear_time() -> Iterator[None]:
 
 
 def _prepare(graph: GraphModule, recipe: Recipe, num_layers: int,
-             weight_scales: dict[str, torch.Tensor] | None) -> tuple[GraphModule, HtpQuantizer]:
-    quantizer = HtpQuantizer(recipe, num_layers)
+             weight_scales: dict[str, torch.Tensor] | None, plan: RecipePlan | None = None,
+             ) -> tuple[GraphModule, HtpQuantizer]:
+    quantizer = HtpQuantizer(recipe, num_layers, plan)
     with _observer_names_in_linear_time():
         prepared = prepare_pt2e(graph, quantizer)
     name_observers(prepared)
@@ -173,6 +178,63 @@ def prepare_model_graph(
     return _prepare(export_model_graph(model), recipe, model.config.num_layers, weight_scales)
 
 
+@dataclass
+class QuantizedPart:
+    """Layers ``first`` … ``end - 1`` of a model quantized in parts (:func:`quantize_model`):
+    their programs (None once handed to ``store``) and encodings."""
+
+    layers: tuple[int, int]
+    encodings: dict[str, Any]
+    decode: GraphModule | None = None
+    prefill: GraphModule | None = None
+    scoring: GraphModule | None = None
+
+    def programs(self) -> dict[str, GraphModule]:
+        """decode, prefill and (if made) scoring, by kind."""
+        made = {"decode": self.decode, "prefill": self.prefill, "scoring": self.scoring}
+        return {kind: gm for kind, gm in made.items() if gm is not None}
+
+
+def even_parts(num_layers: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """``parts`` runs of consecutive layers, their sizes differing by at most one (the first
+    ones one layer shorter: the first part also holds the embedding, the last the head)."""
+    if not 1 <= parts <= num_layers:
+        raise NpuqError(f"--parts {parts}: a model of {num_layers} layers splits into 1 to {num_layers} parts")
+    small, extra = divmod(num_layers, parts)
+    sizes = [small] * (parts - extra) + [small + 1] * extra
+    bounds = [sum(sizes[:k]) for k in range(parts + 1)]
+    return tuple((bounds[k], bounds[k + 1]) for k in range(parts))
+
+
+def part_inputs(cfg: ModelConfig, layers: tuple[int, int], mode: str, context: int, ar_len: int | None = None,
+                batch: int = 1) -> tuple[torch.Tensor, ...]:
+    """:func:`npuq.runtime.runner.example_inputs` for the part of ``layers`` (first, end): hidden
+    states instead of token ids after layer 0, and the part's caches only."""
+    first, end = layers
+    L = cfg.num_layers
+    tokens, mask, positions, *caches = example_inputs(cfg, mode, context, ar_len, batch)
+    x = tokens if first == 0 else torch.zeros(*tokens.shape, cfg.hidden_size)
+    return (x, mask, positions, *caches[first:end], *caches[L + first : L + end])
+
+
+def merge_encodings(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The encodings of the whole model from its parts': each tensor once, in order. The hidden
+    states a part takes in are the ones the part before it gave out, whose encoding that part
+    holds under the producing node's name; the part's own observation of its input is left out."""
+    from npuq.calibrate.graphs import HIDDEN
+
+    merged: dict[str, Any] = {"version": parts[0]["version"], "activation_encodings": [], "param_encodings": []}
+    for key in ("activation_encodings", "param_encodings"):
+        seen: set[str] = set()
+        for enc in parts:
+            for e in enc[key]:
+                if e["name"] == HIDDEN or e["name"].startswith(HIDDEN + "->") or e["name"] in seen:
+                    continue
+                seen.add(e["name"])
+                merged[key].append(e)
+    return merged
+
+
 def quantize_model(
     model: torch.nn.Module,
     recipe: Recipe,
@@ -186,6 +248,8 @@ def quantize_model(
     progress: bool = False,
     weight_scales: dict[str, torch.Tensor] | None = None,
     device: str | torch.device | None = None,
+    parts: Sequence[tuple[int, int]] | None = None,
+    store: Callable[[int, QuantizedPart], None] | None = None,
 ) -> QuantizedModel:
     """Quantize a StaticDecoder with ``recipe``, calibrated on ``tokens`` (see module docstring).
 
@@ -194,6 +258,18 @@ def quantize_model(
     the calibration forwards run (None: the CPU); the model itself must be on the CPU, where it
     is exported. ``stats`` of the result holds the timings and counts the CLI reports
     (``prepare_seconds`` includes ``export_seconds``; ``convert_seconds`` the specialisation).
+
+    ``parts`` (first, end) runs of layers (:func:`even_parts`; None: one, the whole model):
+    the model graph is cut into one graph per run (:func:`npuq.calibrate.graphs.part_graph`),
+    and each is prepared, calibrated on the hidden states the part before it returned, and
+    converted on its own, in order (one-pass calibration only). Observers only watch, so each
+    part sees the float model's activations, as the whole graph's observers do: the encodings
+    and programs are the whole graph's, cut (``tests/quant/test_quant_parts.py``). ``model`` may
+    be a :class:`npuq.models.stream.StreamedDecoder`, whose weights are read one part at a time.
+    ``store(k, part)``: called with each part once converted, after which the result keeps only
+    its encodings (so only one part's programs are ever in memory; the result then has no
+    programs to run). Without ``store`` a model of several parts runs as a
+    :class:`npuq.runtime.runner.PartChain` of them.
     """
     if mode not in CALIBRATION_MODES:
         raise NpuqError(f"unknown calibration mode {mode!r}; choose one of {', '.join(CALIBRATION_MODES)}")
@@ -209,47 +285,72 @@ def quantize_model(
         raise NpuqError(f"thread count {num_threads} is negative: give 0 for the current count or a positive number")
     windows = tokens if isinstance(tokens, CalibrationWindows) else split_windows(tokens, context)
     cfg = model.config
+    layers = check_parts(parts, cfg.num_layers)
+    streamed = isinstance(model, StreamedDecoder)
+    if mode != "onepass" and (len(layers) > 1 or streamed):
+        raise NpuqError("sequential calibration runs the whole model token by token: use --calibration-mode onepass "
+                        "to quantize in parts or streamed")
+    if streamed and weight_scales:
+        raise NpuqError("SeqMSE/GPTQ scales need the whole model loaded: they are not made for a streamed model")
+    timings = dict.fromkeys(("export", "prepare", "calibration", "convert"), 0.0)
     start = time.perf_counter()
 
-    graph = export_model_graph(model)
-    exported_at = time.perf_counter()
-    prepared, quantizer = _prepare(graph, recipe, cfg.num_layers, weight_scales)
-    observed = calibration_view(prepared) if mode == "onepass" else prepared
-    prepared_at = time.perf_counter()
+    whole = meta_model_graph(cfg, model.max_context) if streamed else export_model_graph(model)
+    plan = recipe.plan(model_layers(whole)) if len(layers) > 1 or streamed else None  # every rule must match somewhere
+    timings["export"] = timings["prepare"] = time.perf_counter() - start
 
-    bar = _progress_bar(windows.tokens, f"calibrating ({mode})") if progress else None
+    total = windows.tokens * len(layers)
+    bar = _progress_bar(total, f"calibrating ({mode})" if len(layers) == 1 else f"calibrating ({mode}, {len(layers)} parts)") if progress else None
     update = bar.update if bar is not None else None
+    done_parts: list[QuantizedPart] = []
+    widened_all: list[Any] = []
+    hidden: list[torch.Tensor] | None = None
+    quantizer = None
     with scope_or_keep(num_threads) as threads:
         try:
-            if not is_cpu(device):
-                move_graph(observed, device)
-            data = windows.to(device)  # the same tensors on the CPU
-            if mode == "onepass":  # fewer windows per forward if the memory estimate says so
-                batch_size = guard_calibration_batch(cfg, context, batch_size, available_memory(device)).batch
-                calibrate_onepass(observed, cfg, data, batch_size, update)
-            else:
-                calibrate_sequential(observed, cfg, data, context, update)
+            for k, (first, end) in enumerate(layers):
+                with _weights(model, first, end) as weights:
+                    t0 = time.perf_counter()
+                    graph = whole if weights is None else part_graph(whole, first, end, weights)
+                    prepared, quantizer = _prepare(graph, recipe, end - first, weight_scales, plan)
+                    del graph
+                    observed = calibration_view(prepared) if mode == "onepass" else prepared
+                    t1 = time.perf_counter()
+                    timings["prepare"] += t1 - t0
+                    try:
+                        if not is_cpu(device):
+                            move_graph(observed, device)
+                        data = windows.to(device)  # the same tensors on the CPU
+                        if mode == "onepass":  # fewer windows per forward if the memory estimate says so
+                            if k == 0:
+                                batch_size = guard_calibration_batch(cfg, context, batch_size,
+                                                                     available_memory(device)).batch
+                            hidden = calibrate_onepass(observed, cfg, data, batch_size, update, hidden=hidden,
+                                                       keep=end < cfg.num_layers)
+                        else:
+                            calibrate_sequential(observed, cfg, data, context, update)
+                    finally:
+                        if not is_cpu(device):
+                            move_graph(observed, "cpu")
+                    del observed
+                    t2 = time.perf_counter()
+                    timings["calibration"] += t2 - t1
+                    part = _convert_part(prepared, cfg, (first, end), context, prefill_len, widened_all)
+                    del prepared
+                if store is not None:
+                    store(k, part)
+                    part = QuantizedPart(part.layers, part.encodings)  # its programs are written: let them go
+                done_parts.append(part)
+                forget_graphs()
+                timings["convert"] += time.perf_counter() - t2
         finally:
-            if not is_cpu(device):
-                move_graph(observed, "cpu")
             if bar is not None:
                 bar.close()
-    del observed
-    calibrated_at = time.perf_counter()
-
-    widened = fit_biases(prepared)  # int32 biases that would be clipped: coarser weight grid instead
-    if widened and progress:
-        print(f"raised the weight scales of {len(widened)} layer(s) so that their int32 biases fit: "
-              + ", ".join(f"{w.layer} ({w.channels} channels, up to {w.max_ratio:.2f}x)" for w in widened[:4]),
+    del whole, hidden
+    if widened_all and progress:
+        print(f"raised the weight scales of {len(widened_all)} layer(s) so that their int32 biases fit: "
+              + ", ".join(f"{w.layer} ({w.channels} channels, up to {w.max_ratio:.2f}x)" for w in widened_all[:4]),
               file=sys.stderr, flush=True)
-    encodings = collect_encodings(prepared)
-    converted = convert(prepared)
-    decode = specialize(converted, example_inputs(cfg, "decode", context))
-    prefill = specialize(converted, example_inputs(cfg, "prefill", context, prefill_len))
-    scoring = specialize(converted, example_inputs(cfg, "prefill", context, prefill_len, batch=SCORING_BATCH))
-    del graph, prepared, converted
-    forget_graphs()
-    done = time.perf_counter()
     stats = {
         "scheme": recipe.default,
         "recipe": recipe.name,
@@ -258,16 +359,70 @@ def quantize_model(
         "calibration_windows": len(windows.rows()),
         "context": context,
         "prefill_len": prefill_len,
-        "export_seconds": exported_at - start,
-        "prepare_seconds": prepared_at - start,
-        "calibration_seconds": calibrated_at - prepared_at,
-        "convert_seconds": done - calibrated_at,
+        "export_seconds": timings["export"],
+        "prepare_seconds": timings["prepare"],
+        "calibration_seconds": timings["calibration"],
+        "convert_seconds": timings["convert"],
         "threads": threads,
         "device": str(device),
         "batch_size": batch_size if mode == "onepass" else 1,
-        "bias_fit": [w.to_dict() for w in widened],
+        "bias_fit": [w.to_dict() for w in widened_all],
     }
-    return QuantizedModel(cfg, context, prefill_len, decode, prefill, encodings, recipe, quantizer.plan, stats, scoring)
+    if len(layers) > 1:
+        stats["parts"] = [list(p.layers) for p in done_parts]
+    plan = plan if plan is not None else quantizer.plan
+    if len(done_parts) == 1 and not streamed:
+        (p,) = done_parts
+        return QuantizedModel(cfg, context, prefill_len, p.decode, p.prefill, p.encodings, recipe, plan, stats,
+                              p.scoring)
+    encodings = merge_encodings([p.encodings for p in done_parts])
+    programs = {kind: None if store is not None else PartChain([p.layers for p in done_parts],
+                                                                [getattr(p, kind) for p in done_parts])
+                for kind in ("decode", "prefill", "scoring")}
+    return QuantizedModel(cfg, context, prefill_len, programs["decode"], programs["prefill"], encodings, recipe, plan,
+                          stats, programs["scoring"], parts=tuple(p.layers for p in done_parts))
+
+
+def check_parts(parts: Sequence[tuple[int, int]] | None, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """``parts`` as (first, end) tuples after checking that they cover layers 0 … num_layers - 1
+    in order, each at least one layer; None: one part, the whole model."""
+    if parts is None:
+        return ((0, num_layers),)
+    layers = tuple((int(a), int(b)) for a, b in parts)
+    expected = 0
+    for first, end in layers:
+        if first != expected or end <= first:
+            raise NpuqError(f"parts {list(layers)} do not cover layers 0..{num_layers - 1} in order, "
+                            "each part at least one layer")
+        expected = end
+    if expected != num_layers:
+        raise NpuqError(f"parts {list(layers)} end at layer {expected - 1}, not at the model's last, {num_layers - 1}")
+    return layers
+
+
+@contextlib.contextmanager
+def _weights(model: torch.nn.Module, first: int, end: int) -> Iterator[torch.nn.Module | None]:
+    """The module whose tensors the part of layers first … end - 1 binds: the model itself, or
+    for a streamed model its skeleton with just that part's weights read in (freed on leaving).
+    None: the model is one part and not streamed, so its own graph serves as it is."""
+    L = model.config.num_layers
+    if not isinstance(model, StreamedDecoder):
+        yield None if (first, end) == (0, L) else model
+        return
+    with model.resident_part(first, end):
+        yield model.skeleton
+
+
+def _convert_part(prepared: GraphModule, cfg: ModelConfig, layers: tuple[int, int], context: int,
+                  prefill_len: int, widened_all: list[Any]) -> QuantizedPart:
+    """Fit the int32 biases, collect the encodings, convert and specialise a calibrated part."""
+    widened_all += fit_biases(prepared)  # int32 biases that would be clipped: coarser weight grid instead
+    encodings = collect_encodings(prepared)
+    converted = convert(prepared)
+    decode = specialize(converted, part_inputs(cfg, layers, "decode", context))
+    prefill = specialize(converted, part_inputs(cfg, layers, "prefill", context, prefill_len))
+    scoring = specialize(converted, part_inputs(cfg, layers, "prefill", context, prefill_len, batch=SCORING_BATCH))
+    return QuantizedPart(layers, encodings, decode, prefill, scoring)
 
 
 def forget_graphs() -> None:

@@ -263,7 +263,37 @@ def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens:
     return torch.cat(rows, dim=0)
 
 
+class PartChain:
+    """The programs of a model quantized in parts (:func:`npuq.calibrate.graphs.part_graph`),
+    called as one program: (tokens, mask, positions, K caches, V caches) → (logits, K news, V
+    news). Each part gets the hidden states the one before it returned and its own layers'
+    caches, as a device runs context binaries in sequence."""
+
+    def __init__(self, layers: Sequence[tuple[int, int]], programs: Sequence[Any]):
+        if len(layers) != len(programs) or not layers:
+            raise ValueError(f"{len(programs)} programs for {len(layers)} parts")
+        self.layers, self.programs = tuple(layers), tuple(programs)
+        self.num_layers = self.layers[-1][1]
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *caches: torch.Tensor):
+        L = self.num_layers
+        if len(caches) != 2 * L:
+            raise ValueError(f"expected {2 * L} cache tensors (K then V per layer), got {len(caches)}")
+        k_out: list[torch.Tensor] = []
+        v_out: list[torch.Tensor] = []
+        for (first, end), program in zip(self.layers, self.programs):
+            n = end - first
+            out = program(x, mask, positions, *caches[first:end], *caches[L + first : L + end])
+            x = out[0]
+            k_out += out[1 : 1 + n]
+            v_out += out[1 + n : 1 + 2 * n]
+        return (x, *k_out, *v_out)
+
+
 def tokens_shape(program: Any) -> tuple[int, ...]:
-    """The (batch, ar_len) of a static PT2E program: the shape of its tokens input."""
+    """The (batch, ar_len) of a static PT2E program (or of the first of a :class:`PartChain`):
+    the shape of its tokens input."""
+    if isinstance(program, PartChain):
+        program = program.programs[0]
     first = next(n for n in program.graph.nodes if n.op == "placeholder")
     return tuple(first.meta["val"].shape)
