@@ -29,13 +29,14 @@ and safetensors data: nothing is unpickled and no code from the files runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.fx import GraphModule
@@ -46,12 +47,14 @@ from npuq.models.config import ModelConfig
 from npuq.calibrate.encodings import encodings_json
 from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, tensor_bytes, write_programs
 from npuq.quantize.passes import fold_constant_dequant, simplify_qdq
-from npuq.quantize.pt2e import QuantizedModel
-from npuq.runtime.runner import tokens_shape
+from npuq.quantize.pt2e import QuantizedModel, QuantizedPart, check_parts
+from npuq.runtime.runner import PartChain, tokens_shape
 from npuq.quant.recipe import Recipe
 from npuq.records import from_json, optional_key, to_json
+from npuq.resources import check_free_disk
 
 ARTIFACT_FORMAT = "npuq-quantized/2"
+PARTS_FORMAT = "npuq-quantized/3"  # a model quantized in parts: one folder of programs per part
 PROGRAMS = {"decode": "decode.json", "prefill": "prefill.json"}  # what a device runs (batch 1)
 SCORING = "scoring"  # the optional program that scores text, at batch ProgramEntry.batch
 SCORING_FILE = "scoring.json"
@@ -73,6 +76,19 @@ class ProgramEntry:
     batch: int | None = optional_key()  # rows per call; None (no key): 1
 
 
+@dataclass(frozen=True)
+class PartEntry:
+    """One part of a model quantized in parts: its layers and the folder of its programs and
+    weights (the files ``programs`` and ``weights`` name, inside that folder)."""
+
+    layers: tuple[int, int]  # first, end: layers first … end - 1
+    folder: str
+
+
+def part_folder(k: int, count: int) -> str:
+    return f"part-{k + 1}-of-{count}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArtifactConfig:
     """config.json: the format, what the model and its quantization were, and where the
@@ -91,10 +107,18 @@ class ArtifactConfig:
     recipe_plan: tuple[dict[str, Any], ...] | None  # RecipePlan.to_list(): path, kind, rule, scheme per layer
     stats: dict[str, Any]  # QuantizedModel.stats: scheme, calibration tokens and times
     versions: dict[str, str]  # npuq, torch, torchao
+    # Format 3: the parts in order, each a folder holding ``programs`` and ``weights``; None (no
+    # key, format 2): one part, whose files lie in the artifact folder itself.
+    parts: tuple[PartEntry, ...] | None = optional_key()
 
     def __post_init__(self) -> None:
-        if self.format != ARTIFACT_FORMAT:
-            raise NpuqError(f"format {self.format!r:.60} is not {ARTIFACT_FORMAT!r}")
+        expected = ARTIFACT_FORMAT if self.parts is None else PARTS_FORMAT
+        if self.format != expected:
+            raise NpuqError(f"format {self.format!r:.60} is not {expected!r}")
+        if self.parts is not None:
+            check_parts([p.layers for p in self.parts], ModelConfig.from_dict(self.model_config).num_layers)
+            if len({p.folder for p in self.parts}) != len(self.parts):
+                raise NpuqError("two parts name the same folder")
         if self.context < 2:
             raise NpuqError(f"context {self.context} is not a whole number of at least 2")
         for kind in PROGRAMS:
@@ -171,56 +195,111 @@ def check_destination(out: str | os.PathLike, force: bool) -> Path:
 
 
 NODE_BYTES = 600  # a node of a program file (SmolLM2-135M 16a8w: 13,000 nodes, 7.1 MB per program)
+FILES = {**PROGRAMS, SCORING: SCORING_FILE}
+
+
+def _programs_bytes(programs: list[GraphModule]) -> int:
+    """Bytes the programs' files take at most: their tensors once (the weights file; uint16
+    narrowing only makes it smaller) and each program's graph."""
+    return tensor_bytes(programs) + sum(NODE_BYTES * len(gm.graph.nodes) for gm in programs)
 
 
 def estimate_artifact_bytes(qm: QuantizedModel, encodings_text: str | None = None) -> int:
-    """Bytes the artifact folder will take at most: the programs' tensors once (the weights file;
-    uint16 narrowing only makes it smaller), each program's graph, and the encodings
-    (``encodings_text``: their JSON, when already made)."""
+    """Bytes the artifact folder of ``qm`` (with its programs) will take at most: the programs'
+    files and the encodings (``encodings_text``: their JSON, when already made)."""
     if encodings_text is None:
         encodings_text = encodings_json(qm.encodings)
-    total = len(encodings_text) + 64 * 1024  # + config.json
     programs = [gm for gm in (qm.decode, qm.prefill, qm.scoring) if gm is not None]
-    total += tensor_bytes(programs)
-    return total + sum(NODE_BYTES * len(gm.graph.nodes) for gm in programs)
+    chains = [gm.programs if isinstance(gm, PartChain) else [gm] for gm in programs]
+    parts = [list(p) for p in zip(*chains)]  # the programs of each part (they share its weights)
+    return len(encodings_text) + 64 * 1024 + sum(_programs_bytes(p) for p in parts)  # + config.json
 
 
-def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = False, model: ModelInfo | None = None,
-                  calibration: dict[str, Any] | None = None, optimize: dict[str, Any] | None = None,
-                  rotation: dict[str, Any] | None = None) -> Path:
-    """Write ``qm`` to the folder ``out`` atomically (see the module docstring); ``model``,
-    ``calibration``, ``optimize`` and ``rotation`` go into config.json as they are."""
-    from npuq.resources import check_free_disk
+class ArtifactWriter:
+    """An artifact folder being assembled (:func:`writing_artifact`): each part's programs as
+    soon as they are made (:meth:`store`), then the encodings and config.json (:meth:`finish`).
+    A model of one part has its files in the folder itself (format 2), byte for byte what one
+    write of the whole model gave; a model of several parts one folder per part (format 3)."""
 
-    final = check_destination(out, force)
-    encodings_text = encodings_json(qm.encodings)  # what json.dumps(indent=1) writes, made faster
-    check_free_disk(final, estimate_artifact_bytes(qm, encodings_text), f"the artifact {final}")
-    with atomic_dir(final) as tmp:
-        cfg = qm.config
-        graphs = {"decode": qm.decode, "prefill": qm.prefill}
-        entries = {"decode": ProgramEntry(PROGRAMS["decode"], 1),
-                   "prefill": ProgramEntry(PROGRAMS["prefill"], qm.prefill_len)}
-        if qm.scoring is not None:
-            graphs[SCORING] = qm.scoring
-            entries[SCORING] = ProgramEntry(SCORING_FILE, qm.prefill_len, tokens_shape(qm.scoring)[0])
-        write_programs(graphs, tmp, {kind: entry.file for kind, entry in entries.items()}, WEIGHTS_FILE)
-        (tmp / "encodings.json").write_text(encodings_text + "\n", encoding="utf-8")
+    def __init__(self, tmp: Path, final: Path, count: int):
+        self.tmp, self.final, self.count = tmp, final, count
+        self.parts: list[PartEntry] = []
+        self.entries: dict[str, ProgramEntry] | None = None
+        self.finished = False
+
+    def store(self, k: int, part: QuantizedPart) -> None:
+        """Write part ``k`` (of ``count``) of the model: its programs and their weights."""
+        if k != len(self.parts):
+            raise ValueError(f"part {k} stored after {len(self.parts)} parts")
+        programs = part.programs()
+        folder = self.tmp if self.count == 1 else self.tmp / part_folder(k, self.count)
+        check_free_disk(self.final, _programs_bytes(list(programs.values())), f"the artifact {self.final}")
+        folder.mkdir(exist_ok=True)
+        entries = {kind: ProgramEntry(FILES[kind], tokens_shape(gm)[1], None if kind != SCORING else tokens_shape(gm)[0])
+                   for kind, gm in programs.items()}
+        if self.entries is not None and entries != self.entries:
+            raise ValueError(f"part {k} has programs {entries}, the parts before it {self.entries}")
+        self.entries = entries
+        write_programs(programs, folder, {kind: entry.file for kind, entry in entries.items()}, WEIGHTS_FILE)
+        self.parts.append(PartEntry(part.layers, folder.name))
+
+    def finish(self, qm: QuantizedModel, *, model: ModelInfo | None = None, calibration: dict[str, Any] | None = None,
+               optimize: dict[str, Any] | None = None, rotation: dict[str, Any] | None = None) -> None:
+        """Write encodings.json and config.json once every part is stored; ``model``,
+        ``calibration``, ``optimize`` and ``rotation`` go into config.json as they are."""
+        if len(self.parts) != self.count:
+            raise ValueError(f"{len(self.parts)} of {self.count} parts stored")
+        encodings_text = encodings_json(qm.encodings)  # what json.dumps(indent=1) writes, made faster
+        check_free_disk(self.final, len(encodings_text) + 64 * 1024, f"the artifact {self.final}")
+        (self.tmp / "encodings.json").write_text(encodings_text + "\n", encoding="utf-8")
         config = ArtifactConfig(
+            format=ARTIFACT_FORMAT if self.count == 1 else PARTS_FORMAT,
             model=model,
             calibration=calibration,
             optimize=optimize,
             rotation=rotation,
-            model_config=cfg.to_dict(),
+            model_config=qm.config.to_dict(),
             context=qm.context,
-            programs=entries,
+            programs=self.entries,
             weights=WEIGHTS_FILE,
             recipe=qm.recipe.to_dict(),
             recipe_plan=tuple(qm.plan.to_list()) if qm.plan is not None else None,
             stats=qm.stats,
             versions=versions(),
+            parts=None if self.count == 1 else tuple(self.parts),
         )
         text = json.dumps(to_json(config), indent=2, default=str)
-        (tmp / "config.json").write_text(text + "\n", encoding="utf-8")
+        (self.tmp / "config.json").write_text(text + "\n", encoding="utf-8")
+        self.finished = True
+
+
+@contextlib.contextmanager
+def writing_artifact(out: str | os.PathLike, parts: int = 1, *, force: bool = False) -> Iterator[ArtifactWriter]:
+    """An :class:`ArtifactWriter` of a model of ``parts`` parts, in a temporary sibling of
+    ``out`` that replaces ``out`` only when the block ends with the writer finished; an error or
+    an interrupt leaves ``out`` as it was (see the module docstring)."""
+    final = check_destination(out, force)
+    with atomic_dir(final) as tmp:
+        writer = ArtifactWriter(tmp, final, parts)
+        yield writer
+        if not writer.finished:
+            raise RuntimeError(f"the artifact {final} was not finished: {len(writer.parts)} of {parts} parts stored")
+
+
+def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = False, model: ModelInfo | None = None,
+                  calibration: dict[str, Any] | None = None, optimize: dict[str, Any] | None = None,
+                  rotation: dict[str, Any] | None = None) -> Path:
+    """Write ``qm`` (with its programs) to the folder ``out`` atomically (see the module
+    docstring and :class:`ArtifactWriter`)."""
+    layers = qm.parts or ((0, qm.config.num_layers),)
+    final = check_destination(out, force)
+    check_free_disk(final, estimate_artifact_bytes(qm), f"the artifact {final}")  # before writing anything
+    with writing_artifact(out, len(layers), force=force) as writer:
+        for k, part_layers in enumerate(layers):
+            pick = (lambda gm: gm.programs[k]) if qm.parts else (lambda gm: gm)
+            writer.store(k, QuantizedPart(part_layers, {}, pick(qm.decode), pick(qm.prefill),
+                                          None if qm.scoring is None else pick(qm.scoring)))
+        writer.finish(qm, model=model, calibration=calibration, optimize=optimize, rotation=rotation)
     return final
 
 
@@ -239,33 +318,42 @@ def read_artifact(folder: str | os.PathLike) -> ArtifactConfig:
     if not isinstance(data, dict):
         raise NpuqError(f"{where}: config.json holds {type(data).__name__}, not an object; {again}")
     fmt = data.get("format")
-    if fmt != ARTIFACT_FORMAT:  # before the keys: another format's differ
+    if fmt not in (ARTIFACT_FORMAT, PARTS_FORMAT):  # before the keys: another format's differ
         versions = data.get("versions")
         made_by = versions.get("npuq", "an unknown version") if isinstance(versions, dict) else "an unknown version"
         raise NpuqError(
-            f"{where}: format {fmt!r:.60} written by npuq {made_by!s:.20} is not {ARTIFACT_FORMAT!r}, "
-            f"which this npuq reads; {again} with this npuq"
+            f"{where}: format {fmt!r:.60} written by npuq {made_by!s:.20} is not {ARTIFACT_FORMAT!r} or "
+            f"{PARTS_FORMAT!r}, which this npuq reads; {again} with this npuq"
         )
     try:
         config = from_json(ArtifactConfig, data, f"{where}: config.json")
     except NpuqError as exc:
         raise NpuqError(f"{exc}; {again}") from None
-    for kind in config.programs:
-        if not program_path(path, config, kind).is_file():
-            raise NpuqError(f"{where}: {config.programs[kind].file} is missing; the artifact is incomplete, {again}")
-    if not weights_path(path, config).is_file():
-        raise NpuqError(f"{where}: {config.weights} is missing; the artifact is incomplete, {again}")
+    for part in range(len(config.parts or [None])):
+        for kind in config.programs:
+            if not program_path(path, config, kind, part).is_file():
+                raise NpuqError(f"{where}: {_inside(config, config.programs[kind].file, part)} is missing; the artifact "
+                                f"is incomplete, {again}")
+        if not weights_path(path, config, part).is_file():
+            raise NpuqError(f"{where}: {_inside(config, config.weights, part)} is missing; the artifact is incomplete, "
+                            f"{again}")
     return config
 
 
-def program_path(folder: str | os.PathLike, config: ArtifactConfig, kind: str) -> Path:
-    """The file of program ``kind`` in an artifact read by :func:`read_artifact` (inside ``folder``)."""
-    return resolve_inside(folder, config.programs[kind].file, f"--artifact {folder}, {kind} program")
+def _inside(config: ArtifactConfig, file: str, part: int) -> str:
+    return file if config.parts is None else f"{config.parts[part].folder}/{file}"
 
 
-def weights_path(folder: str | os.PathLike, config: ArtifactConfig) -> Path:
-    """The weights file the programs of an artifact read by :func:`read_artifact` share."""
-    return resolve_inside(folder, config.weights, f"--artifact {folder}, weights")
+def program_path(folder: str | os.PathLike, config: ArtifactConfig, kind: str, part: int = 0) -> Path:
+    """The file of program ``kind`` (of part ``part``) in an artifact read by :func:`read_artifact`
+    (inside ``folder``)."""
+    return resolve_inside(folder, _inside(config, config.programs[kind].file, part),
+                          f"--artifact {folder}, {kind} program")
+
+
+def weights_path(folder: str | os.PathLike, config: ArtifactConfig, part: int = 0) -> Path:
+    """The weights file the programs (of part ``part``) of an artifact read by :func:`read_artifact` share."""
+    return resolve_inside(folder, _inside(config, config.weights, part), f"--artifact {folder}, weights")
 
 
 def load_program(path: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> GraphModule:
@@ -300,20 +388,28 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True, scorin
     path = Path(folder)
     config = read_artifact(path)
     encodings = read_encodings(path / "encodings.json")  # checked before the slow program loads
-    tensors = read_weights(weights_path(path, config))
-    folded: dict[Any, Any] = {}  # shared by the programs
     kinds = [*PROGRAMS, *([SCORING] if scoring and SCORING in config.programs else [])]
-    programs = {}
-    for kind in kinds:
-        module = load_program(program_path(path, config, kind), tensors)
-        entry = config.programs[kind]
-        shape = (entry.batch or 1, entry.ar_len)
-        if tokens_shape(module) != shape:
-            raise NpuqError(f"--artifact {path}: the {kind} program does not take tokens of shape {shape} as config.json "
-                            "says; quantize again")
-        if fold_constants:  # lazy: fold and simplify rewrite the graph, its code is made once, on the first call
-            module = simplify_qdq(fold_constant_dequant(_LazyGraphModule.from_graphmodule(module), folded))
-        programs[kind] = module
+    per_part: list[dict[str, GraphModule]] = []
+    for part in range(len(config.parts or [None])):
+        tensors = read_weights(weights_path(path, config, part))
+        folded: dict[Any, Any] = {}  # shared by the programs of the part
+        programs = {}
+        for kind in kinds:
+            module = load_program(program_path(path, config, kind, part), tensors)
+            entry = config.programs[kind]
+            shape = (entry.batch or 1, entry.ar_len)
+            if tokens_shape(module) != shape:
+                raise NpuqError(f"--artifact {path}: the {kind} program does not take tokens of shape {shape} as "
+                                "config.json says; quantize again")
+            if fold_constants:  # lazy: fold and simplify rewrite the graph, its code is made once, on the first call
+                module = simplify_qdq(fold_constant_dequant(_LazyGraphModule.from_graphmodule(module), folded))
+            programs[kind] = module
+        per_part.append(programs)
+    if config.parts is None:
+        programs = per_part[0]
+    else:
+        layers = [p.layers for p in config.parts]
+        programs = {kind: PartChain(layers, [p[kind] for p in per_part]) for kind in kinds}
     return QuantizedModel(
         config=config.cfg,
         context=config.context,
@@ -324,4 +420,5 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True, scorin
         recipe=config.read_recipe(),
         stats=config.stats,
         scoring=programs.get(SCORING),
+        parts=None if config.parts is None else tuple(p.layers for p in config.parts),
     )
