@@ -145,8 +145,14 @@ def _quantize_options(args: argparse.Namespace) -> Any:
         calibration_mode=getattr(args, "calibration_mode", "onepass"), prefill_len=args.prefill_len,
         batch_size=args.batch_size, seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity,
         weight_rounding=args.weight_rounding, layer_inputs=args.layer_inputs, act_order=args.act_order,
-        rotate=args.rotate,
+        rotate=args.rotate, parts=args.parts,
     )
+
+
+def _parts(text: str) -> int | None:
+    if text == "auto":
+        return None
+    return _pos_int(text)
 
 
 def _export_options(args: argparse.Namespace) -> Any:
@@ -195,6 +201,14 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-inputs", choices=("float", "quantized"), default=None,
                    help="inputs SeqMSE and GPTQ fit each layer to: the quantized model's own, block by block, so "
                         "each layer sees the rounding of all before it (default), or the float model's (one forward)")
+    p.add_argument("--parts", type=_parts, default=None, metavar="N|auto",
+                   help="quantize the model in N parts of consecutive decoder layers, one after another, reading "
+                        "each part's weights from disk only while it is quantized, so the peak memory is one part, "
+                        "not the model; the artifact holds one folder of programs per part. auto (default): one part "
+                        "(the whole model, loaded) where it fits 2.5x its float32 size in the memory this process may "
+                        "use, else the fewest parts of at most a quarter of it each. More than one part takes one-pass "
+                        "calibration without rotation or SeqMSE/GPTQ for now (add --rotate none); 'npuq export' does "
+                        "not take such artifacts yet")
     p.add_argument("--rotate", choices=ROTATE_CHOICES, default=None,
                    help="fold rotations into the float weights before calibration, so 4-bit weight grids meet no "
                         "outlier channels; the graph and its ops are unchanged: r1, a randomized Hadamard matrix on "

@@ -250,6 +250,10 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     if options.compile:
         check_can_compile()
     config = read_artifact(artifact)
+    if config.parts is not None:
+        raise NpuqError(f"--artifact {artifact} holds {len(config.parts)} parts (it was quantized with --parts): "
+                        "sharded export is not built yet; 'npuq eval --artifact' scores it, or quantize with --parts 1 "
+                        "to export")
     cfg = config.cfg
     in_names, out_names = io_names(cfg.num_layers)
     tokenizer = None

@@ -111,6 +111,18 @@ def model_info(spec: str) -> dict[str, Any]:
     return describe(spec, str(path), cfg)
 
 
+def model_config(spec: str, max_context: int | None = None) -> ModelConfig:
+    """The config of ``spec`` as :func:`load_model` would build it, from its config file or GGUF
+    header alone (no weight is read): to plan a run before choosing how to load the model."""
+    kind, path = resolve(spec)
+    if kind == "hf":
+        return _model_config(read_hf_config(path), max_context)
+    entry = gguf_cache.entry_for(path)
+    if entry is not None and entry.check() is None:
+        return _check_context(entry.model_config(), max_context)
+    return _model_config(read_gguf_shapes(path)[0], max_context)
+
+
 def check_tokenizer_vocab(tokenizer: Any, vocab_size: int, source: str) -> None:
     """Refuse a tokenizer that can produce ids the model has no embedding row for.
 

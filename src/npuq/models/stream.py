@@ -81,6 +81,12 @@ class StreamedDecoder(nn.Module):
             bar.update()
             return (logits,)
 
+    def state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every weight in name order, read one at a time: the resident model's
+        sorted ``state_dict().items()`` (for :func:`npuq.quantize.artifact.weights_sha256`)."""
+        for name in sorted(self.skeleton.state_dict()):
+            yield name, self._read(name)
+
     def part_names(self, first: int, end: int) -> tuple[str, ...]:
         """The tensors of layers first … end - 1, with the embedding if ``first`` is 0 and the final
         norm and head if ``end`` is the last layer's: what a part of the model graph binds
@@ -101,21 +107,27 @@ class StreamedDecoder(nn.Module):
         finite values); afterwards they are back on the meta device and their memory is freed."""
         model = self.skeleton
         for name in names:
-            stored = name
-            if name == "lm_head.weight" and name not in self.checkpoint and self.config.tie_word_embeddings:
-                stored = "embed_tokens.weight"
-            t = self.checkpoint.get(stored)
-            self.reads += 1
-            if self.norm_offset and name.endswith("norm.weight"):
-                t = t + self.config.norm_weight_offset
-            if not all_finite(t):
-                raise ModelLoadError(f"{self.checkpoint.source}: tensor {name} contains NaN or Inf values")
-            _set(model, name, t.contiguous())
+            _set(model, name, self._read(name))
         try:
             yield
         finally:
             for name in names:
                 _set(model, name, torch.empty(_get(model, name).shape, device="meta"))
+
+
+    def _read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as the resident model holds it: float32, the norm offset added, a tied
+        head read from the embedding; checked for finite values."""
+        stored = name
+        if name == "lm_head.weight" and name not in self.checkpoint and self.config.tie_word_embeddings:
+            stored = "embed_tokens.weight"
+        t = self.checkpoint.get(stored)
+        self.reads += 1
+        if self.norm_offset and name.endswith("norm.weight"):
+            t = t + self.config.norm_weight_offset
+        if not all_finite(t):
+            raise ModelLoadError(f"{self.checkpoint.source}: tensor {name} contains NaN or Inf values")
+        return t.contiguous()
 
 
 def _get(model: nn.Module, name: str) -> torch.Tensor:

@@ -36,7 +36,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.fx import GraphModule
@@ -44,6 +44,7 @@ from torch.fx import GraphModule
 from npuq.fsio import atomic_dir, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
+from npuq.models.stream import StreamedDecoder
 from npuq.calibrate.encodings import encodings_json
 from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, tensor_bytes, write_programs
 from npuq.quantize.passes import fold_constant_dequant, simplify_qdq
@@ -161,12 +162,13 @@ def start_weights_sha256(model: torch.nn.Module) -> Callable[[], str]:
     overlaps tracing and calibration. The state dict is taken now (a trace swaps parameters for
     fake tensors while it runs); nothing may write the weights in place until the result is in."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="npuq-weights-sha256")
-    future = pool.submit(_state_sha256, sorted(model.state_dict().items()))
+    streamed = isinstance(model, StreamedDecoder)  # its tensors are read one at a time, in the thread
+    future = pool.submit(_state_sha256, model.state_items() if streamed else sorted(model.state_dict().items()))
     pool.shutdown(wait=False)
     return future.result
 
 
-def _state_sha256(items: list[tuple[str, torch.Tensor]]) -> str:
+def _state_sha256(items: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for name, t in items:
         t = t.detach().contiguous().cpu()

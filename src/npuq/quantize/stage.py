@@ -8,6 +8,7 @@ whole record.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -17,8 +18,10 @@ from typing import Any
 from npuq.data.corpora import corpus_tokens
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
+from npuq.models.stream import StreamedDecoder
 from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
 from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS
+from npuq.records import optional_key
 from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
 from npuq.runtime.context import ExecutionContext
 
@@ -47,6 +50,7 @@ class QuantizeOptions:
     layer_inputs: str | None = None  # None: resolve_recovery's default when recovery is on
     act_order: bool | None = None  # None: on with GPTQ
     rotate: str | None = None  # ROTATE_CHOICES; None: the recipe's (built-in 4-bit recipes: r1)
+    parts: int | None = optional_key()  # quantize in this many parts, streamed; None: auto_parts
 
     def __post_init__(self) -> None:
         if self.rotate is not None and self.rotate not in ROTATE_CHOICES:
@@ -61,6 +65,8 @@ class QuantizeOptions:
         if self.calib_tokens < self.context:
             raise NpuqError(f"--calib-tokens {self.calib_tokens} is less than one window of --context {self.context}: "
                             "raise it or lower the context")
+        if self.parts is not None and self.parts < 1:
+            raise NpuqError(f"--parts {self.parts} must be at least 1")
         if self.batch_size < 1:
             raise NpuqError(f"--batch-size {self.batch_size} must be at least 1")
         prefill_len = default_prefill_len(self.context) if self.prefill_len is None else self.prefill_len
@@ -109,9 +115,13 @@ class QuantizeResult:
     export_seconds: float | None = None  # the part of prepare_seconds that traced the model graph
     save_seconds: float | None = None  # writing the artifact folder
     rotation: dict[str, Any] | None = None  # npuq.optimize.rotate.RotationReport; None: not rotated
+    parts: int = 1  # parts the model was quantized in, one after another
+    streamed: bool = False  # the weights were read from disk one part at a time, never the whole model
 
     def describe(self) -> str:
         rotated = f", rotated {'+'.join(r for r in ('r1', 'r2') if self.rotation[r])}" if self.rotation else ""
+        if self.parts > 1:
+            rotated += f", in {self.parts} parts{' streamed' if self.streamed else ''}"
         return (f"{self.artifact}: {self.scheme} ({self.recipe}{rotated}), {self.calibration_mode} calibration on "
                 f"{self.calibration_tokens} tokens in {self.calibration_seconds:.1f} s (prepare "
                 f"{self.prepare_seconds:.1f} s, convert {self.convert_seconds:.1f} s, total {self.total_seconds:.1f} s, "
@@ -130,6 +140,27 @@ def check_quantize(options: QuantizeOptions) -> Any:
     return recipe, load_corpus(options.calib_corpus, "calib")  # an empty or missing corpus fails here
 
 
+PART_FRACTION = 0.25  # of the usable memory, the most one part's float32 weights may take
+WHOLE_FACTOR = 2.5  # peak memory of quantizing the whole model / its float32 weights (measured below)
+
+
+def auto_parts(cfg: Any, available: int | None = None) -> int:
+    """Parts to quantize a model of config ``cfg`` in, given ``available`` bytes of memory
+    (default: what this process may use now). One (the whole model, loaded) where it fits
+    WHOLE_FACTOR times its float32 weights: Qwen2.5-Coder-0.5B, 2.5 GB of float32 weights as
+    npuq holds them, peaked at 4.7 GB quantizing 16a8w with 1024 tokens, context 512. Otherwise
+    the fewest parts of even size whose weights each take at most PART_FRACTION of it, streamed
+    (docs/design.md §13)."""
+    from npuq.models import model_sizes
+    from npuq.resources import USABLE_FRACTION, available_memory
+
+    usable = USABLE_FRACTION * (available_memory() if available is None else available)
+    weights = model_sizes(cfg)[1]
+    if WHOLE_FACTOR * weights <= usable:
+        return 1
+    return max(2, min(cfg.num_layers, math.ceil(weights / (PART_FRACTION * usable))))
+
+
 def quantize_to_artifact(
     options: QuantizeOptions, out: str | Path, ctx: ExecutionContext | None = None, *, force: bool = False
 ) -> QuantizeResult:
@@ -145,13 +176,29 @@ def quantize_to_artifact(
 
 def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force: bool) -> QuantizeResult:
     from npuq.data.corpora import replaced_characters
-    from npuq.models import load_model
-    from npuq.quantize.artifact import ModelInfo, check_destination, save_artifact, start_weights_sha256
+    from npuq.models import load_model, model_config, open_streamed
+    from npuq.quantize.artifact import ModelInfo, check_destination, start_weights_sha256, writing_artifact
+    from npuq.quantize.pt2e import even_parts
 
     start = time.perf_counter()
     check_destination(out, force)  # cheap checks first: the model takes seconds to load
     recipe, documents = check_quantize(o)
-    loaded = load_model(o.model, max_context=o.context if o.context > 4096 else None)
+    max_context = o.context if o.context > 4096 else None
+    cfg = model_config(o.model, max_context)
+    parts = o.parts or auto_parts(cfg)
+    if parts > 1:
+        whole = "" if o.parts else (f"it does not fit this machine's memory whole, so it is quantized in {parts} parts, "
+                                    "and ")
+        steps = [why for why, on in (("rotation (add --rotate none)", recipe.rotate is not None),
+                                     ("SeqMSE/GPTQ (drop --seq-mse / --weight-rounding)", o.recovers),
+                                     ("sequential calibration (use --calibration-mode onepass)",
+                                      o.calibration_mode != "onepass")) if on]
+        if steps:
+            raise NpuqError(f"{o.model}: {whole}a model quantized in parts takes one-pass calibration without "
+                            f"{' or '.join(s.split(' (')[0] for s in steps)} for now: {'; '.join(steps)}")
+    if parts > cfg.num_layers:
+        raise NpuqError(f"--parts {parts}: the model has {cfg.num_layers} layers, so at most {cfg.num_layers} parts")
+    loaded = (open_streamed if parts > 1 else load_model)(o.model, max_context=max_context)
     if o.context > loaded.config.max_position_embeddings:
         raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
     tokens = corpus_tokens(loaded.encoder, documents, o.calib_tokens)
@@ -166,7 +213,9 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         rotation = rotate_model(loaded.model, seed=ROTATION_SEED, r1=r1, r2=r2)
         if ctx.progress:
             print(rotation.describe(), file=sys.stderr, flush=True)
-    plan = ctx.plan_model(loaded.model, (o.phase,), o.context)
+    streamed = isinstance(loaded.model, StreamedDecoder)
+    # Timing thread counts runs the model; streamed, each run would read every weight from disk.
+    plan = ctx.plan_model(None if streamed else loaded.model, (o.phase,), o.context)
     weight_scales, optimized = None, None
     if o.recovers:
         from npuq.calibrate.split import split_windows
@@ -179,24 +228,25 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
                 granularity=o.seq_mse_granularity, rounding=o.weight_rounding, progress=ctx.progress,
                 device=ctx.device, inputs=o.layer_inputs, act_order=o.act_order,
             )
-    qm = quantize_model(
-        loaded.model, recipe, tokens, context=o.context, mode=o.calibration_mode, prefill_len=o.prefill_len,
-        batch_size=o.batch_size, num_threads=ctx.threads(o.phase), progress=ctx.progress,
-        weight_scales=weight_scales, device=ctx.device,
-    )
-    replaced = replaced_characters(documents)
-    calibration = {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
-                   "tokens": qm.stats["calibration_tokens"], "mode": o.calibration_mode,
-                   "batch_size": o.batch_size, "batch_size_used": qm.stats["batch_size"],
-                   "replacement_characters": replaced,
-                   "num_threads": ctx.requested, "thread_plan": plan.to_dict(),
-                   "device": str(ctx.device)}
-    saving = time.perf_counter()
-    rotation_json = None if rotation is None else dataclasses.asdict(rotation)
-    model = ModelInfo(o.model, loaded.source, weights_sha256())
-    path = save_artifact(qm, out, force=force, model=model, calibration=calibration, optimize=optimized,
-                         rotation=rotation_json)
-    saved = time.perf_counter() - saving
+    with writing_artifact(out, parts, force=force) as writer:
+        qm = quantize_model(
+            loaded.model, recipe, tokens, context=o.context, mode=o.calibration_mode, prefill_len=o.prefill_len,
+            batch_size=o.batch_size, num_threads=ctx.threads(o.phase), progress=ctx.progress,
+            weight_scales=weight_scales, device=ctx.device, parts=even_parts(cfg.num_layers, parts), store=writer.store,
+        )
+        saving = time.perf_counter()
+        replaced = replaced_characters(documents)
+        calibration = {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
+                       "tokens": qm.stats["calibration_tokens"], "mode": o.calibration_mode,
+                       "batch_size": o.batch_size, "batch_size_used": qm.stats["batch_size"],
+                       "replacement_characters": replaced,
+                       "num_threads": ctx.requested, "thread_plan": plan.to_dict(),
+                       "device": str(ctx.device)}
+        rotation_json = None if rotation is None else dataclasses.asdict(rotation)
+        model = ModelInfo(o.model, loaded.source, weights_sha256())
+        writer.finish(qm, model=model, calibration=calibration, optimize=optimized, rotation=rotation_json)
+    saved = time.perf_counter() - saving  # the parts' programs were written as they were made (convert_seconds)
+    path = Path(out)
     s = qm.stats
     return QuantizeResult(
         artifact=str(path), scheme=s["scheme"], recipe=recipe.name,
@@ -210,4 +260,5 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         weight_rounding=optimized["weight_rounding"] if optimized else None,
         layer_inputs=optimized["layer_inputs"] if optimized else None,
         export_seconds=s.get("export_seconds"), save_seconds=saved, rotation=rotation_json,
+        parts=parts, streamed=streamed,
     )

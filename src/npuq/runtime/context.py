@@ -56,13 +56,14 @@ class ExecutionContext:
             self._sources.update(made.sources)
         return self.thread_plan(tuple(workloads))
 
-    def plan_model(self, model: torch.nn.Module, phases: tuple[str, ...], context: int,
+    def plan_model(self, model: torch.nn.Module | None, phases: tuple[str, ...], context: int,
                    prefill_len: int | None = None) -> ThreadPlan:
-        """:meth:`plan` on the float ``model``'s workloads of ``phases`` (npuq.runtime.workloads)."""
+        """:meth:`plan` on the float ``model``'s workloads of ``phases`` (npuq.runtime.workloads);
+        ``model`` None: nothing is timed, the counts are kept."""
         from npuq.runtime.workloads import phase_workload
 
         missing = [p for p in phases if p not in self._threads]
-        if self.on_cpu and self.requested == 0:
+        if self.on_cpu and self.requested == 0 and model is not None:
             self.plan({p: phase_workload(model, p, context, prefill_len if p == "prefill" else None) for p in missing})
         else:  # nothing is timed, so no workload is built
             self.plan(dict.fromkeys(missing))
