@@ -292,8 +292,8 @@ class PartChain:
 
 def tokens_shape(program: Any) -> tuple[int, ...]:
     """The (batch, ar_len) of a static PT2E program (or of the first of a :class:`PartChain`):
-    the shape of its tokens input."""
+    the shape of its tokens input (of a later part's hidden states, their first two sizes)."""
     if isinstance(program, PartChain):
         program = program.programs[0]
     first = next(n for n in program.graph.nodes if n.op == "placeholder")
-    return tuple(first.meta["val"].shape)
+    return tuple(first.meta["val"].shape[:2])

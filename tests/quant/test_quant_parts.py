@@ -1,0 +1,158 @@
+"""Quantizing in parts (docs/design.md §13): the model graph cut at block boundaries, each part
+prepared, calibrated and converted on its own, optionally streamed from disk.
+
+References: the whole-graph flow on the same model and tokens. Observers only watch, so every
+part sees the float activations the whole graph's observers see, in the same ops, and the
+results must agree exactly: the same encodings (compared by tensor name: the merged file lists
+them part by part), the same recipe plan, and logits equal bit for bit (one torch thread, the
+conftest's, so both sum in the same order). The streamed model reads the same float32 tensors
+the resident one holds, so it must give the same again.
+"""
+
+import json
+
+import pytest
+import torch
+
+from npuq.calibrate.graphs import export_model_graph, meta_model_graph, part_graph
+from npuq.cli import main
+from npuq.errors import NpuqError
+from npuq.models import load_model, open_streamed
+from npuq.models.tiny import TINY_CONFIGS, save_tiny_hf_folder, tiny_decoder
+from npuq.quant.recipe import load_recipe
+from npuq.quantize.artifact import PARTS_FORMAT, load_artifact, read_artifact, save_artifact, weights_sha256, \
+    start_weights_sha256
+from npuq.quantize.pt2e import check_parts, even_parts, quantize_model
+from npuq.quantize.stage import auto_parts
+from npuq.runtime.runner import step_inputs
+
+ARCHS = sorted(TINY_CONFIGS)
+CONTEXT = 32
+
+
+def _by_name(encodings):
+    return {key: {e["name"]: e for e in encodings[key]} for key in ("activation_encodings", "param_encodings")}
+
+
+def _tokens(vocab, shape, seed):
+    return torch.randint(3, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chained_parts_compute_the_whole_graph_bit_for_bit(arch):
+    model = tiny_decoder(arch)[1]
+    cfg = model.config
+    L, KV, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    B, T, C = 2, 5, 7  # a filled cache: the parts' caches must line up with their layers
+    tokens, mask, positions = step_inputs(cfg, _tokens(cfg.vocab_size, (B, T), 0), C, C + T)
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.randn(B, KV, D, C, generator=g) for _ in range(L)] + \
+             [torch.randn(B, KV, C, D, generator=g) for _ in range(L)]
+    whole = export_model_graph(model)
+    expected = whole(tokens, mask, positions, *caches)
+    for graph in (whole, meta_model_graph(cfg, model.max_context)):  # the meta trace holds no weights
+        for layers in (even_parts(L, L), even_parts(L, 2), even_parts(L, 1)):
+            x, k_news, v_news = tokens, [], []
+            for first, end in layers:
+                out = part_graph(graph, first, end, model)(x, mask, positions, *caches[first:end],
+                                                          *caches[L + first : L + end])
+                n = end - first
+                x, k_news, v_news = out[0], k_news + list(out[1 : 1 + n]), v_news + list(out[1 + n :])
+            assert torch.equal(x, expected[0]), (arch, layers)
+            for got, want in zip(k_news + v_news, expected[1:], strict=True):
+                assert torch.equal(got, want), (arch, layers)
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    return _tokens(256, (150,), 2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_layer_per_part_gives_the_whole_graphs_encodings_and_logits(arch, calibration, tmp_path):
+    model = tiny_decoder(arch)[1]
+    L = model.config.num_layers
+    recipe = load_recipe(None, "16a8w")
+    whole = quantize_model(model, recipe, calibration, context=CONTEXT, batch_size=3)
+    parts = quantize_model(model, recipe, calibration, context=CONTEXT, batch_size=3, parts=even_parts(L, L))
+    assert parts.parts == even_parts(L, L)
+    assert _by_name(parts.encodings) == _by_name(whole.encodings)
+    assert parts.plan.to_list() == whole.plan.to_list()
+    test = _tokens(256, (3, 30), 3)  # prefill chunks and decode steps, through the scoring program too
+    expected = whole.logits(test)
+    assert torch.equal(parts.logits(test), expected)
+    # the artifact of the parts reads back as the same programs
+    folder = save_artifact(parts, tmp_path / "art")
+    config = read_artifact(folder)
+    assert config.format == PARTS_FORMAT and [p.layers for p in config.parts] == list(even_parts(L, L))
+    assert torch.equal(load_artifact(folder).logits(test), expected)
+    assert _by_name(json.loads((folder / "encodings.json").read_text())) == _by_name(whole.encodings)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])  # sliding windows and norm offsets; biases, untied head
+def test_streamed_parts_equal_the_resident_model(arch, calibration, tmp_path):
+    folder = save_tiny_hf_folder(tmp_path / arch, arch, seed=4)
+    resident = load_model(str(folder), max_context=64)
+    streamed = open_streamed(str(folder), max_context=64)  # the same RoPE length: the same tables
+    L = resident.config.num_layers
+    recipe = load_recipe(None, "16a8w")
+    expected = quantize_model(resident.model, recipe, calibration, context=CONTEXT, batch_size=4)
+    stored = []
+    got = quantize_model(streamed.model, recipe, calibration, context=CONTEXT, batch_size=4,
+                         parts=even_parts(L, 2), store=lambda k, part: stored.append((k, part)))
+    assert [k for k, _ in stored] == [0, 1] and got.decode is None  # the programs went to store only
+    assert _by_name(got.encodings) == _by_name(expected.encodings)
+    test = _tokens(resident.config.vocab_size, (2, 30), 5)
+    chained = quantize_model(streamed.model, recipe, calibration, context=CONTEXT, batch_size=4, parts=even_parts(L, 2))
+    assert torch.equal(chained.logits(test), expected.logits(test))
+    # the hash of the float weights, read one tensor at a time, is the resident model's
+    assert start_weights_sha256(streamed.model)() == weights_sha256(resident.model)
+
+
+def test_parts_are_checked():
+    assert even_parts(5, 2) == ((0, 2), (2, 5))
+    assert even_parts(4, 4) == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert check_parts(None, 3) == ((0, 3),)
+    with pytest.raises(NpuqError, match="splits into 1 to 2 parts"):
+        even_parts(2, 3)
+    with pytest.raises(NpuqError, match="do not cover layers 0..3 in order"):
+        check_parts([(0, 2), (1, 4)], 4)
+    with pytest.raises(NpuqError, match="end at layer 2, not at the model's last, 3"):
+        check_parts([(0, 3)], 4)
+
+
+def test_auto_parts_loads_a_model_that_fits_and_splits_one_that_does_not():
+    from npuq.models import model_sizes
+    from npuq.resources import USABLE_FRACTION
+
+    cfg = tiny_decoder("smollm3")[1].config  # 4 layers
+    weights = model_sizes(cfg)[1]
+    assert auto_parts(cfg, int(2.5 * weights / USABLE_FRACTION) + 1) == 1
+    # below that: parts of at most a quarter of the usable memory, at least 2
+    assert auto_parts(cfg, int(2 * weights / USABLE_FRACTION)) == 2
+    assert auto_parts(cfg, int(weights / USABLE_FRACTION)) == 4  # each part a quarter of the weights
+    assert auto_parts(cfg, int(0.1 * weights / USABLE_FRACTION)) == 4  # never more parts than layers
+
+
+def test_cli_quantizes_in_parts_and_eval_scores_the_artifact(tmp_path, capsys):
+    folder = save_tiny_hf_folder(tmp_path / "llama", "llama", seed=5)
+    common = ["quantize", "--model", str(folder), "--scheme", "16a8w", "--calib-tokens", "64", "--context", "16",
+              "--num-threads", "1"]
+    assert main([*common, "--parts", "2", "--out", str(tmp_path / "refused")]) == 2
+    assert "add --rotate none" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
+    assert main([*common, "--parts", "2", "--rotate", "none", "--out", str(tmp_path / "p2"),
+                 "--json", str(tmp_path / "p2.json")]) == 0
+    result = json.loads((tmp_path / "p2.json").read_text())
+    assert result["parts"] == 2 and result["streamed"] is True
+    assert main([*common, "--parts", "1", "--rotate", "none", "--out", str(tmp_path / "p1")]) == 0
+    scores = []
+    for art in ("p1", "p2"):
+        assert main(["eval", "--artifact", str(tmp_path / art), "--context", "16", "--max-tokens", "64",
+                     "--num-threads", "1", "--json", str(tmp_path / f"e{art}.json")]) == 0
+        scores.append(json.loads((tmp_path / f"e{art}.json").read_text())["word_perplexity"])
+    assert scores[0] == scores[1]
+    capsys.readouterr()
+    assert main(["export", "--artifact", str(tmp_path / "p2"), "--out", str(tmp_path / "onnx"),
+                 "--soc", "SM8650"]) == 2
+    assert "sharded export is not built yet" in capsys.readouterr().err
