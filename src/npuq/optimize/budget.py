@@ -224,14 +224,20 @@ def choice_recipe(base: Recipe, choice: dict[str, str], weights: Sequence[Weight
     return Recipe(default, rules, kv, embedding, None, name, base.rotate)
 
 
+def check_budget_base(base: Recipe) -> None:
+    """The recipe ``--bits-per-weight`` starts from must have 16-bit activations, as every format it chooses."""
+    if base.scheme.activation.bits != 16:
+        raise NpuqError(f"--bits-per-weight chooses among 16-bit activation formats ({', '.join(LINEAR_FORMATS)}); "
+                        f"the recipe {base.name!r} has {base.scheme.activation.bits}-bit activations: drop --scheme "
+                        f"{base.default} or pick a 16a* scheme")
+
+
 def budget_recipe(model: Any, base: Recipe, rows: Sequence[torch.Tensor], bits_per_weight: float, *,
                   progress: bool = False) -> tuple[Recipe, BudgetReport]:
     """The recipe whose weights take at most ``bits_per_weight`` code bits on average with the
     least measured loss (module docstring), and what it chose. ``base``: its kv_bits and rotation
     are kept; its activations must be 16-bit (every format chosen from is a 16-bit activation one)."""
-    if base.scheme.activation.bits != 16:
-        raise NpuqError(f"--bits-per-weight chooses among 16-bit activation formats ({', '.join(LINEAR_FORMATS)}); "
-                        f"the recipe {base.name!r} has {base.scheme.activation.bits}-bit activations")
+    check_budget_base(base)
     start = time.perf_counter()
     weights = model_weights(model)
     if not weights:

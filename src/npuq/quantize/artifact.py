@@ -7,7 +7,8 @@
     DIR/weights.safetensors  the tensors of the programs, once (they share every weight)
     DIR/encodings.json       per-tensor encodings (npuq.calibrate.encodings)
     DIR/config.json          every option, the recipe and what it matched, versions, the sha256 of
-                             the float weights, timings
+                             the float weights, timings, bits_per_weight and weight_bytes
+    DIR/recipe.json          with --bits-per-weight: the recipe it chose, as --recipe reads it
 
 The program files are npuq's own (:mod:`npuq.quantize.graphfile`): writing them takes no trace
 (the converted graphs are written as they are) and decode and prefill share one copy of the
@@ -48,7 +49,9 @@ from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, te
 from npuq.quantize.passes import fold_constant_dequant, simplify_qdq
 from npuq.quantize.pt2e import QuantizedModel
 from npuq.runtime.runner import tokens_shape
+from npuq.optimize.budget import RECIPE_FILE, BudgetReport
 from npuq.quant.recipe import Recipe
+from npuq.quant.size import WeightSize
 from npuq.records import from_json, optional_key, to_json
 
 ARTIFACT_FORMAT = "npuq-quantized/2"
@@ -91,6 +94,9 @@ class ArtifactConfig:
     recipe_plan: tuple[dict[str, Any], ...] | None  # RecipePlan.to_list(): path, kind, rule, scheme per layer
     stats: dict[str, Any]  # QuantizedModel.stats: scheme, calibration tokens and times
     versions: dict[str, str]  # npuq, torch, torchao
+    bits_per_weight: float | None = optional_key()  # mean code bits per weight parameter (npuq.quant.size)
+    weight_bytes: int | None = optional_key()  # packed weight codes plus their scales
+    budget: BudgetReport | None = optional_key()  # what --bits-per-weight chose (its recipe: DIR/recipe.json)
 
     def __post_init__(self) -> None:
         if self.format != ARTIFACT_FORMAT:
@@ -124,6 +130,24 @@ class ArtifactConfig:
     def read_recipe(self) -> Recipe:
         """``recipe`` as the recipe it holds."""
         return Recipe.from_dict(self.recipe)
+
+
+@dataclass(frozen=True)
+class ArtifactExtra:
+    """What :func:`save_artifact` adds to config.json beside the programs, and the recipe file it writes."""
+
+    size: WeightSize  # bits_per_weight and weight_bytes of the weights
+    budget: BudgetReport | None = None
+    recipe: Recipe | None = None  # written to DIR/``budget.recipe_file`` (a file --recipe reads)
+
+    def config_fields(self) -> dict[str, Any]:
+        return {"bits_per_weight": self.size.bits_per_weight, "weight_bytes": self.size.weight_bytes,
+                "budget": self.budget}
+
+    def write(self, folder: Path) -> None:
+        if self.recipe is not None:
+            name = self.budget.recipe_file if self.budget is not None else RECIPE_FILE
+            (folder / name).write_text(json.dumps(self.recipe.to_dict(), indent=2) + "\n", encoding="utf-8")
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -187,9 +211,10 @@ def estimate_artifact_bytes(qm: QuantizedModel, encodings_text: str | None = Non
 
 def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = False, model: ModelInfo | None = None,
                   calibration: dict[str, Any] | None = None, optimize: dict[str, Any] | None = None,
-                  rotation: dict[str, Any] | None = None) -> Path:
+                  rotation: dict[str, Any] | None = None, extra: ArtifactExtra | None = None) -> Path:
     """Write ``qm`` to the folder ``out`` atomically (see the module docstring); ``model``,
-    ``calibration``, ``optimize`` and ``rotation`` go into config.json as they are."""
+    ``calibration``, ``optimize`` and ``rotation`` go into config.json as they are, and so do
+    ``extra``'s fields (it also writes its recipe file)."""
     from npuq.resources import check_free_disk
 
     final = check_destination(out, force)
@@ -218,9 +243,12 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
             recipe_plan=tuple(qm.plan.to_list()) if qm.plan is not None else None,
             stats=qm.stats,
             versions=versions(),
+            **(extra.config_fields() if extra is not None else {}),
         )
         text = json.dumps(to_json(config), indent=2, default=str)
         (tmp / "config.json").write_text(text + "\n", encoding="utf-8")
+        if extra is not None:
+            extra.write(tmp)
     return final
 
 

@@ -17,12 +17,16 @@ from typing import Any
 from npuq.data.corpora import corpus_tokens
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
+from npuq.optimize.budget import BudgetReport, budget_recipe, check_budget_base
 from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
+from npuq.quant.size import WeightSize, model_weights, recipe_size
 from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS
 from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
+from npuq.records import optional_key
 from npuq.runtime.context import ExecutionContext
 
 GRANULARITIES = ("channel", "layer")
+MIN_BITS_PER_WEIGHT = 4  # --bits-per-weight: every weight at 4 bits
 ROTATION_SEED = 0  # the random signs of the Hadamard matrices: fixed, so a rerun quantizes alike
 
 
@@ -47,8 +51,14 @@ class QuantizeOptions:
     layer_inputs: str | None = None  # None: resolve_recovery's default when recovery is on
     act_order: bool | None = None  # None: on with GPTQ
     rotate: str | None = None  # ROTATE_CHOICES; None: the recipe's (built-in 4-bit recipes: r1)
+    # mean weight bits to choose each layer's format for (npuq.optimize.budget); None (no key,
+    # so the records of runs without it keep their keys): the recipe's formats
+    bits_per_weight: float | None = optional_key()
 
     def __post_init__(self) -> None:
+        if self.bits_per_weight is not None and not MIN_BITS_PER_WEIGHT <= self.bits_per_weight <= 64:
+            raise NpuqError(f"--bits-per-weight {self.bits_per_weight:g} is outside {MIN_BITS_PER_WEIGHT}..64: the "
+                            f"smallest weight format takes {MIN_BITS_PER_WEIGHT} bits")
         if self.rotate is not None and self.rotate not in ROTATE_CHOICES:
             raise NpuqError(f"unknown --rotate {self.rotate!r}; choose one of {', '.join(ROTATE_CHOICES)}")
         if self.calibration_mode not in CALIBRATION_MODES:
@@ -109,9 +119,14 @@ class QuantizeResult:
     export_seconds: float | None = None  # the part of prepare_seconds that traced the model graph
     save_seconds: float | None = None  # writing the artifact folder
     rotation: dict[str, Any] | None = None  # npuq.optimize.rotate.RotationReport; None: not rotated
+    bits_per_weight: float | None = None  # mean code bits per weight parameter (npuq.quant.size); None: not measured
+    weight_bytes: int | None = None  # packed weight codes plus their scales
+    budget: BudgetReport | None = None  # what --bits-per-weight chose; None: not given
 
     def describe(self) -> str:
         rotated = f", rotated {'+'.join(r for r in ('r1', 'r2') if self.rotation[r])}" if self.rotation else ""
+        if self.bits_per_weight is not None:
+            rotated += f", {self.bits_per_weight:.3f} bits per weight"
         return (f"{self.artifact}: {self.scheme} ({self.recipe}{rotated}), {self.calibration_mode} calibration on "
                 f"{self.calibration_tokens} tokens in {self.calibration_seconds:.1f} s (prepare "
                 f"{self.prepare_seconds:.1f} s, convert {self.convert_seconds:.1f} s, total {self.total_seconds:.1f} s, "
@@ -127,6 +142,8 @@ def check_quantize(options: QuantizeOptions) -> Any:
     recipe = load_recipe(options.recipe, options.scheme)
     if options.rotate is not None:
         recipe = recipe.with_rotation(None if options.rotate == "none" else options.rotate)
+    if options.bits_per_weight is not None:
+        check_budget_base(recipe)
     return recipe, load_corpus(options.calib_corpus, "calib")  # an empty or missing corpus fails here
 
 
@@ -146,7 +163,7 @@ def quantize_to_artifact(
 def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force: bool) -> QuantizeResult:
     from npuq.data.corpora import replaced_characters
     from npuq.models import load_model
-    from npuq.quantize.artifact import ModelInfo, check_destination, save_artifact, start_weights_sha256
+    from npuq.quantize.artifact import ArtifactExtra, ModelInfo, check_destination, save_artifact, start_weights_sha256
 
     start = time.perf_counter()
     check_destination(out, force)  # cheap checks first: the model takes seconds to load
@@ -167,6 +184,13 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         if ctx.progress:
             print(rotation.describe(), file=sys.stderr, flush=True)
     plan = ctx.plan_model(loaded.model, (o.phase,), o.context)
+    budget = None
+    if o.bits_per_weight is not None:  # the formats, measured on the weights as calibrated (rotated)
+        from npuq.calibrate.split import split_windows
+
+        with ctx.scope(o.phase):
+            recipe, budget = budget_recipe(loaded.model, recipe, split_windows(tokens, o.context).rows(),
+                                           o.bits_per_weight, progress=ctx.progress)
     weight_scales, optimized = None, None
     if o.recovers:
         from npuq.calibrate.split import split_windows
@@ -194,13 +218,14 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     saving = time.perf_counter()
     rotation_json = None if rotation is None else dataclasses.asdict(rotation)
     model = ModelInfo(o.model, loaded.source, weights_sha256())
+    size = recipe_size(qm.recipe, model_weights(loaded.model))
     path = save_artifact(qm, out, force=force, model=model, calibration=calibration, optimize=optimized,
-                         rotation=rotation_json)
+                         rotation=rotation_json, extra=ArtifactExtra(size, budget, recipe if budget else None))
     saved = time.perf_counter() - saving
     s = qm.stats
     return QuantizeResult(
         artifact=str(path), scheme=s["scheme"], recipe=recipe.name,
-        recipe_summary=qm.plan.summary() if qm.plan is not None else "",
+        recipe_summary=size_summary(qm.plan.summary() if qm.plan is not None else "", size, budget),
         calibration_mode=s["calibration_mode"], calibration_tokens=s["calibration_tokens"],
         calibration_seconds=s["calibration_seconds"], prepare_seconds=s["prepare_seconds"],
         convert_seconds=s["convert_seconds"], total_seconds=time.perf_counter() - start, threads=s["threads"],
@@ -210,4 +235,14 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         weight_rounding=optimized["weight_rounding"] if optimized else None,
         layer_inputs=optimized["layer_inputs"] if optimized else None,
         export_seconds=s.get("export_seconds"), save_seconds=saved, rotation=rotation_json,
+        bits_per_weight=size.bits_per_weight, weight_bytes=size.weight_bytes, budget=budget,
     )
+
+
+def size_summary(summary: str, size: WeightSize, budget: BudgetReport | None) -> str:
+    """The recipe summary with the weights' size (and the budget's choice) below it."""
+    lines = [summary] if summary else []
+    lines.append(f"weights: {size.describe()}")
+    if budget is not None:
+        lines.append(f"{budget.describe()}; the recipe: {budget.recipe_file} in the artifact (--recipe takes it)")
+    return "\n".join(lines)
