@@ -25,7 +25,7 @@ OTHER = {
     QuantizeOptions: {"model": "tiny", "scheme": "16a4w", "recipe": "16a4w_mixed", "calib_corpus": "file:x.txt",
                       "calib_tokens": 8192, "context": 256, "calibration_mode": "sequential", "prefill_len": 16,
                       "batch_size": 2, "seq_mse": 50, "seq_mse_granularity": "layer", "weight_rounding": "gptq",
-                      "layer_inputs": "float", "act_order": False, "rotate": "r1"},
+                      "layer_inputs": "float", "act_order": False, "rotate": "r1", "bits_per_weight": 6.5},
     ExportOptions: {"qnn_version": "2.47", "htp_arch": 75, "soc": "SM8650", "embedding_pattern": "legacy",
                     "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True,
                     "genai": "shared"},

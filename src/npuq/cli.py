@@ -145,7 +145,7 @@ def _quantize_options(args: argparse.Namespace) -> Any:
         calibration_mode=getattr(args, "calibration_mode", "onepass"), prefill_len=args.prefill_len,
         batch_size=args.batch_size, seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity,
         weight_rounding=args.weight_rounding, layer_inputs=args.layer_inputs, act_order=args.act_order,
-        rotate=args.rotate, parts=args.parts,
+        rotate=args.rotate, parts=args.parts, bits_per_weight=args.bits_per_weight,
     )
 
 
@@ -215,6 +215,12 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                         "the residual stream (norm gammas folded into the next linears); r1+r2, also one per "
                         "attention head between v and o (QuaRot/SpinQuant's R1/R2, not learned); none "
                         "(default: the recipe's: r1 for the built-in 16a8w and 4-bit recipes, none for 16a16w and 8a8w)")
+    p.add_argument("--bits-per-weight", type=float, default=None, metavar="B",
+                   help="choose each weight's format (4-bit per channel, LPBQ 16a4w_block or 8-bit; the embedding "
+                        "table int4, int8 or 16-bit) from its measured sensitivity on the calibration text, so the "
+                        "mean code bits per weight is at most B with the least estimated loss; the recipe's kv_bits "
+                        "and rotation are kept, its rules replaced; the choice is written to DIR/recipe.json, which "
+                        "--recipe takes (default: the recipe's formats)")
 
 
 def _add_target_options(p: argparse.ArgumentParser) -> None:

@@ -206,3 +206,20 @@ def test_an_edited_recipe_file_redoes_quantize(first_run, inputs, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert "quantize" in [s["stage"] for s in report["stages"] if not s["cached"]]
     assert json.loads((out / "artifact" / "config.json").read_text())["recipe"]["lm_head"] == "16a16w"
+
+
+def test_bits_per_weight_redoes_quantize_and_the_report_shows_the_size(first_run, inputs):
+    """Every run reports its weights' size (16a8w: 8-bit linears, the table shared at 16 bits);
+    --bits-per-weight is a new quantize stage whose report, artifact and recipe file show the choice."""
+    out, first = first_run
+    assert first["bits_per_weight"] == pytest.approx((8 * 2 * 30720 + 8 * 16384 + 16 * 16384) / 94208)
+    assert first["weight_bytes"] > 0 and first["recipe"]["budget"] is None
+    assert main(argv(inputs, out, "--bits-per-weight", "6")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert "quantize" in [s["stage"] for s in report["stages"] if not s["cached"]]
+    assert report["bits_per_weight"] <= 6 and report["recipe"]["budget"]["target_bits"] == 6
+    assert json.loads((out / "artifact" / "recipe.json").read_text())["name"] == report["recipe"]["name"] == "budget-6"
+    html = (out / "report.html").read_text()
+    assert "bits per weight" in html and "--bits-per-weight" in html
+    q, e = report["perplexity"]["quantized"], report["perplexity"]["exported"]
+    assert abs(e["word_perplexity"] / q["word_perplexity"] - 1) < 0.01  # the chosen formats export as quantized

@@ -7,7 +7,8 @@
     DIR/weights.safetensors  the tensors of the programs, once (they share every weight)
     DIR/encodings.json       per-tensor encodings (npuq.calibrate.encodings)
     DIR/config.json          every option, the recipe and what it matched, versions, the sha256 of
-                             the float weights, timings
+                             the float weights, timings, bits_per_weight and weight_bytes
+    DIR/recipe.json          with --bits-per-weight: the recipe it chose, as --recipe reads it
 
 The program files are npuq's own (:mod:`npuq.quantize.graphfile`): writing them takes no trace
 (the converted graphs are written as they are) and decode and prefill share one copy of the
@@ -50,7 +51,9 @@ from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, te
 from npuq.quantize.passes import fold_constant_dequant, simplify_qdq
 from npuq.quantize.pt2e import QuantizedModel, QuantizedPart, check_parts
 from npuq.runtime.runner import PartChain, tokens_shape
+from npuq.optimize.budget import RECIPE_FILE, BudgetReport
 from npuq.quant.recipe import Recipe
+from npuq.quant.size import WeightSize
 from npuq.records import from_json, optional_key, to_json
 from npuq.resources import check_free_disk
 
@@ -111,6 +114,9 @@ class ArtifactConfig:
     # Format 3: the parts in order, each a folder holding ``programs`` and ``weights``; None (no
     # key, format 2): one part, whose files lie in the artifact folder itself.
     parts: tuple[PartEntry, ...] | None = optional_key()
+    bits_per_weight: float | None = optional_key()  # mean code bits per weight parameter (npuq.quant.size)
+    weight_bytes: int | None = optional_key()  # packed weight codes plus their scales
+    budget: BudgetReport | None = optional_key()  # what --bits-per-weight chose (its recipe: DIR/recipe.json)
 
     def __post_init__(self) -> None:
         expected = ARTIFACT_FORMAT if self.parts is None else PARTS_FORMAT
@@ -149,6 +155,24 @@ class ArtifactConfig:
     def read_recipe(self) -> Recipe:
         """``recipe`` as the recipe it holds."""
         return Recipe.from_dict(self.recipe)
+
+
+@dataclass(frozen=True)
+class ArtifactExtra:
+    """What :func:`save_artifact` adds to config.json beside the programs, and the recipe file it writes."""
+
+    size: WeightSize  # bits_per_weight and weight_bytes of the weights
+    budget: BudgetReport | None = None
+    recipe: Recipe | None = None  # written to DIR/``budget.recipe_file`` (a file --recipe reads)
+
+    def config_fields(self) -> dict[str, Any]:
+        return {"bits_per_weight": self.size.bits_per_weight, "weight_bytes": self.size.weight_bytes,
+                "budget": self.budget}
+
+    def write(self, folder: Path) -> None:
+        if self.recipe is not None:
+            name = self.budget.recipe_file if self.budget is not None else RECIPE_FILE
+            (folder / name).write_text(json.dumps(self.recipe.to_dict(), indent=2) + "\n", encoding="utf-8")
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -246,9 +270,11 @@ class ArtifactWriter:
         self.parts.append(PartEntry(part.layers, folder.name))
 
     def finish(self, qm: QuantizedModel, *, model: ModelInfo | None = None, calibration: dict[str, Any] | None = None,
-               optimize: dict[str, Any] | None = None, rotation: dict[str, Any] | None = None) -> None:
+               optimize: dict[str, Any] | None = None, rotation: dict[str, Any] | None = None,
+               extra: ArtifactExtra | None = None) -> None:
         """Write encodings.json and config.json once every part is stored; ``model``,
-        ``calibration``, ``optimize`` and ``rotation`` go into config.json as they are."""
+        ``calibration``, ``optimize`` and ``rotation`` go into config.json as they are, and so do
+        ``extra``'s fields (it also writes its recipe file)."""
         if len(self.parts) != self.count:
             raise ValueError(f"{len(self.parts)} of {self.count} parts stored")
         encodings_text = encodings_json(qm.encodings)  # what json.dumps(indent=1) writes, made faster
@@ -269,9 +295,12 @@ class ArtifactWriter:
             stats=qm.stats,
             versions=versions(),
             parts=None if self.count == 1 else tuple(self.parts),
+            **(extra.config_fields() if extra is not None else {}),
         )
         text = json.dumps(to_json(config), indent=2, default=str)
         (self.tmp / "config.json").write_text(text + "\n", encoding="utf-8")
+        if extra is not None:
+            extra.write(self.tmp)
         self.finished = True
 
 
@@ -290,7 +319,7 @@ def writing_artifact(out: str | os.PathLike, parts: int = 1, *, force: bool = Fa
 
 def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = False, model: ModelInfo | None = None,
                   calibration: dict[str, Any] | None = None, optimize: dict[str, Any] | None = None,
-                  rotation: dict[str, Any] | None = None) -> Path:
+                  rotation: dict[str, Any] | None = None, extra: ArtifactExtra | None = None) -> Path:
     """Write ``qm`` (with its programs) to the folder ``out`` atomically (see the module
     docstring and :class:`ArtifactWriter`)."""
     layers = qm.parts or ((0, qm.config.num_layers),)
@@ -301,7 +330,7 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
             pick = (lambda gm: gm.programs[k]) if qm.parts else (lambda gm: gm)
             writer.store(k, QuantizedPart(part_layers, {}, pick(qm.decode), pick(qm.prefill),
                                           None if qm.scoring is None else pick(qm.scoring)))
-        writer.finish(qm, model=model, calibration=calibration, optimize=optimize, rotation=rotation)
+        writer.finish(qm, model=model, calibration=calibration, optimize=optimize, rotation=rotation, extra=extra)
     return final
 
 

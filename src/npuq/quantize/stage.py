@@ -15,17 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from npuq.calibrate.split import split_windows
 from npuq.data.corpora import corpus_tokens
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
 from npuq.models.stream import StreamedDecoder
+from npuq.optimize.budget import BudgetReport, budget_recipe, check_budget_base
 from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
+from npuq.quant.size import WeightSize, model_weights, recipe_size
 from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS
-from npuq.records import optional_key
 from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
+from npuq.records import optional_key
 from npuq.runtime.context import ExecutionContext
 
 GRANULARITIES = ("channel", "layer")
+MIN_BITS_PER_WEIGHT = 4  # --bits-per-weight: every weight at 4 bits
 ROTATION_SEED = 0  # the random signs of the Hadamard matrices: fixed, so a rerun quantizes alike
 
 
@@ -51,8 +55,14 @@ class QuantizeOptions:
     act_order: bool | None = None  # None: on with GPTQ
     rotate: str | None = None  # ROTATE_CHOICES; None: the recipe's (built-in 4-bit recipes: r1)
     parts: int | None = optional_key()  # quantize in this many parts, streamed; None: auto_parts
+    # mean weight bits to choose each layer's format for (npuq.optimize.budget); None (no key,
+    # so the records of runs without it keep their keys): the recipe's formats
+    bits_per_weight: float | None = optional_key()
 
     def __post_init__(self) -> None:
+        if self.bits_per_weight is not None and not MIN_BITS_PER_WEIGHT <= self.bits_per_weight <= 64:
+            raise NpuqError(f"--bits-per-weight {self.bits_per_weight:g} is outside {MIN_BITS_PER_WEIGHT}..64: the "
+                            f"smallest weight format takes {MIN_BITS_PER_WEIGHT} bits")
         if self.rotate is not None and self.rotate not in ROTATE_CHOICES:
             raise NpuqError(f"unknown --rotate {self.rotate!r}; choose one of {', '.join(ROTATE_CHOICES)}")
         if self.calibration_mode not in CALIBRATION_MODES:
@@ -117,11 +127,16 @@ class QuantizeResult:
     rotation: dict[str, Any] | None = None  # npuq.optimize.rotate.RotationReport; None: not rotated
     parts: int = 1  # parts the model was quantized in, one after another
     streamed: bool = False  # the weights were read from disk one part at a time, never the whole model
+    bits_per_weight: float | None = None  # mean code bits per weight parameter (npuq.quant.size); None: not measured
+    weight_bytes: int | None = None  # packed weight codes plus their scales
+    budget: BudgetReport | None = None  # what --bits-per-weight chose; None: not given
 
     def describe(self) -> str:
         rotated = f", rotated {'+'.join(r for r in ('r1', 'r2') if self.rotation[r])}" if self.rotation else ""
         if self.parts > 1:
             rotated += f", in {self.parts} parts{' streamed' if self.streamed else ''}"
+        if self.bits_per_weight is not None:
+            rotated += f", {self.bits_per_weight:.3f} bits per weight"
         return (f"{self.artifact}: {self.scheme} ({self.recipe}{rotated}), {self.calibration_mode} calibration on "
                 f"{self.calibration_tokens} tokens in {self.calibration_seconds:.1f} s (prepare "
                 f"{self.prepare_seconds:.1f} s, convert {self.convert_seconds:.1f} s, total {self.total_seconds:.1f} s, "
@@ -137,6 +152,8 @@ def check_quantize(options: QuantizeOptions) -> Any:
     recipe = load_recipe(options.recipe, options.scheme)
     if options.rotate is not None:
         recipe = recipe.with_rotation(None if options.rotate == "none" else options.rotate)
+    if options.bits_per_weight is not None:
+        check_budget_base(recipe)
     return recipe, load_corpus(options.calib_corpus, "calib")  # an empty or missing corpus fails here
 
 
@@ -177,7 +194,7 @@ def quantize_to_artifact(
 def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force: bool) -> QuantizeResult:
     from npuq.data.corpora import replaced_characters
     from npuq.models import load_model, model_config, open_streamed
-    from npuq.quantize.artifact import ModelInfo, check_destination, start_weights_sha256, writing_artifact
+    from npuq.quantize.artifact import ArtifactExtra, ModelInfo, check_destination, start_weights_sha256, writing_artifact
     from npuq.quantize.pt2e import even_parts
 
     start = time.perf_counter()
@@ -191,6 +208,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
                                     "and ")
         steps = [why for why, on in (("rotation (add --rotate none)", recipe.rotate is not None),
                                      ("SeqMSE/GPTQ (drop --seq-mse / --weight-rounding)", o.recovers),
+                                     ("a size budget (drop --bits-per-weight)", o.bits_per_weight is not None),
                                      ("sequential calibration (use --calibration-mode onepass)",
                                       o.calibration_mode != "onepass")) if on]
         if steps:
@@ -216,10 +234,13 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     streamed = isinstance(loaded.model, StreamedDecoder)
     # Timing thread counts runs the model; streamed, each run would read every weight from disk.
     plan = ctx.plan_model(None if streamed else loaded.model, (o.phase,), o.context)
+    budget = None
+    if o.bits_per_weight is not None:  # the formats, measured on the weights as calibrated (rotated)
+        with ctx.scope(o.phase):
+            recipe, budget = budget_recipe(loaded.model, recipe, split_windows(tokens, o.context).rows(),
+                                           o.bits_per_weight, progress=ctx.progress)
     weight_scales, optimized = None, None
     if o.recovers:
-        from npuq.calibrate.split import split_windows
-
         weights_sha256()  # the recovery writes its rounded weights in place: the hash first
 
         with ctx.scope(o.phase):
@@ -244,13 +265,15 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
                        "device": str(ctx.device)}
         rotation_json = None if rotation is None else dataclasses.asdict(rotation)
         model = ModelInfo(o.model, loaded.source, weights_sha256())
-        writer.finish(qm, model=model, calibration=calibration, optimize=optimized, rotation=rotation_json)
+        size = recipe_size(qm.recipe, model_weights(loaded.model.skeleton if streamed else loaded.model))
+        writer.finish(qm, model=model, calibration=calibration, optimize=optimized, rotation=rotation_json,
+                      extra=ArtifactExtra(size, budget, recipe if budget else None))
     saved = time.perf_counter() - saving  # the parts' programs were written as they were made (convert_seconds)
     path = Path(out)
     s = qm.stats
     return QuantizeResult(
         artifact=str(path), scheme=s["scheme"], recipe=recipe.name,
-        recipe_summary=qm.plan.summary() if qm.plan is not None else "",
+        recipe_summary=size_summary(qm.plan.summary() if qm.plan is not None else "", size, budget),
         calibration_mode=s["calibration_mode"], calibration_tokens=s["calibration_tokens"],
         calibration_seconds=s["calibration_seconds"], prepare_seconds=s["prepare_seconds"],
         convert_seconds=s["convert_seconds"], total_seconds=time.perf_counter() - start, threads=s["threads"],
@@ -261,4 +284,14 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         layer_inputs=optimized["layer_inputs"] if optimized else None,
         export_seconds=s.get("export_seconds"), save_seconds=saved, rotation=rotation_json,
         parts=parts, streamed=streamed,
+        bits_per_weight=size.bits_per_weight, weight_bytes=size.weight_bytes, budget=budget,
     )
+
+
+def size_summary(summary: str, size: WeightSize, budget: BudgetReport | None) -> str:
+    """The recipe summary with the weights' size (and the budget's choice) below it."""
+    lines = [summary] if summary else []
+    lines.append(f"weights: {size.describe()}")
+    if budget is not None:
+        lines.append(f"{budget.describe()}; the recipe: {budget.recipe_file} in the artifact (--recipe takes it)")
+    return "\n".join(lines)

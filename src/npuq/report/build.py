@@ -104,7 +104,9 @@ def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
         "model": res["model"],
         "scheme": q.scheme,
         "recipe": {"name": q.recipe, "plan": list(artifact.recipe_plan or ()), "summary": q.recipe_summary,
-                   "rotation": q.rotation},
+                   "rotation": q.rotation, "budget": to_json(q.budget) if q.budget is not None else None},
+        "bits_per_weight": q.bits_per_weight,  # mean code bits per weight parameter (npuq.quant.size)
+        "weight_bytes": q.weight_bytes,
         "threads": to_json(res["threads"]),
         "calibration": calibration,
         "layers": {"tokens": res["layers"]["tokens"], "layers": layer_list, "worst": worst_layers},
@@ -133,6 +135,21 @@ def rotation_text(rotation: dict[str, Any] | None) -> str:
             "function; the per-layer errors compare both in the rotated basis.")
 
 
+def budget_text(report: dict[str, Any]) -> str:
+    """The weights' size, and what --bits-per-weight chose."""
+    if report.get("bits_per_weight") is None:
+        return ""
+    text = (f"Weights: {report['bits_per_weight']:.4f} code bits per weight parameter on average (linear layers, lm "
+            f"head and embedding table; scales excluded), {report['weight_bytes']:,} bytes with their scales.")
+    budget = report["recipe"].get("budget")
+    if budget:
+        from npuq.optimize.budget import BudgetReport
+
+        text += (f" Formats chosen by --bits-per-weight: {BudgetReport(**budget).describe()}; the recipe is "
+                 f"artifact/{budget['recipe_file']}, which --recipe takes.")
+    return text
+
+
 def render_html(report: dict[str, Any]) -> str:
     from npuq.threads.plot import sweep_figure
     from npuq.threads.tuner import TuneResult
@@ -140,9 +157,11 @@ def render_html(report: dict[str, Any]) -> str:
     m, ppl, exp = report["model"], report["perplexity"], report["export"]
     ratio = ppl["quantized"]["word_perplexity"] / ppl["float"]["word_perplexity"]
     qnn = f"QNN {exp['qnn_version']} ({exp['qnn_version_source']})" if exp["qnn_version"] else "QNN version unknown"
+    bits = report.get("bits_per_weight")
+    size = f" ({bits:.3f} bits per weight, {report['weight_bytes'] / 1e6:.2f} MB of weights)" if bits is not None else ""
     summary = Section("Summary", [
         f"{m['model']} ({m['architecture']}, {m['parameters'] / 1e6:.1f} M parameters) quantized {report['scheme']} "
-        f"with recipe {report['recipe']['name']}: word perplexity {ppl['float']['word_perplexity']:.2f} (float) → "
+        f"with recipe {report['recipe']['name']}{size}: word perplexity {ppl['float']['word_perplexity']:.2f} (float) → "
         f"{ppl['quantized']['word_perplexity']:.2f} (quantized, {ratio:.3f}x) → "
         f"{ppl['exported']['word_perplexity']:.2f} (exported QDQ ONNX on ONNX Runtime). Divergence from the float "
         f"model, per scored token: KLD mean {ppl['quantized']['kld_mean']:.4g} nats, top-1 agreement "
@@ -185,6 +204,7 @@ def render_html(report: dict[str, Any]) -> str:
         Table(["op", "rule", "scheme", "layers", "example"], recipe_rows(report["recipe"]["plan"])),
         ("pre", report["recipe"]["summary"].split("\n", 1)[0] if report["recipe"]["summary"] else ""),
         rotation_text(report["recipe"]["rotation"]),
+        *([budget_text(report)] if report.get("bits_per_weight") is not None else []),
     ])
     cal = report["calibration"]
     calibration = Section("Calibration time", [Table(
