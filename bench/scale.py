@@ -10,6 +10,9 @@ resident memory (the kernel's maximum RSS) and exit status:
     eval-stream     npuq eval --model DIR --stream (one block resident at a time)
     eval-whole      npuq eval --model DIR (the whole float32 model: refused up front where it
                     cannot fit, with the figure, instead of being killed by the kernel)
+    quantize        npuq quantize --model DIR --scheme 16a8w --rotate none --calib-tokens 1024
+                    --context 512 (--parts auto: in parts, streamed, where the model does not fit
+                    whole), the artifact to out/scale/<size>-16a8w
 
     .venv/bin/python bench/scale.py --sizes 3b,7b --json out/bench/scale.json
 
@@ -141,19 +144,35 @@ def main() -> None:
     parser.add_argument("--whole", default=None,
                         help="sizes whose eval-whole run is made (default: every size; a model that fits takes "
                              "its float32 size in memory)")
+    parser.add_argument("--runs", default="info,eval-stream,eval-whole,quantize",
+                        help="comma-separated runs to make (default: all; see above)")
+    parser.add_argument("--parts", default="auto", help="--parts of the quantize run (default auto)")
     parser.add_argument("--json", default="out/bench/scale.json", help="where the result goes")
     args = parser.parse_args()
+    chosen = set(args.runs.split(","))
     npuq = [sys.executable, "-m", "npuq.cli"]
     results = {"date": time.strftime("%Y-%m-%d"), "cpus": len(os.sched_getaffinity(0)), "sizes": {}}
     for size in args.sizes.split(","):
         folder = Path(args.root) / size
         facts = write_folder(size, folder)
-        runs = {"info": timed([*npuq, "info", "--model", str(folder), "--json", "-"])}
+        runs = {}
+        if "info" in chosen:
+            runs["info"] = timed([*npuq, "info", "--model", str(folder), "--json", "-"])
         evaluate = [*npuq, "eval", "--model", str(folder), "--max-tokens", str(args.eval_tokens),
                     "--context", str(args.context), "--json", "-"]
-        runs["eval-stream"] = timed([*evaluate, "--stream"])
-        if args.whole is None or size in args.whole.split(","):
+        if "eval-stream" in chosen:
+            runs["eval-stream"] = timed([*evaluate, "--stream"])
+        if "eval-whole" in chosen and (args.whole is None or size in args.whole.split(",")):
             runs["eval-whole"] = timed(evaluate)
+        if "quantize" in chosen:
+            artifact = Path(args.root) / f"{size}-16a8w"
+            runs["quantize"] = timed([*npuq, "quantize", "--model", str(folder), "--scheme", "16a8w", "--rotate", "none",
+                                      "--calib-tokens", "1024", "--context", "512", "--parts", args.parts,
+                                      "--out", str(artifact), "--force", "--json", "-"])
+            if runs["quantize"]["returncode"] == 0:
+                files = [f for f in artifact.rglob("*") if f.is_file()]
+                runs["quantize"]["artifact_gib"] = round(sum(f.stat().st_size for f in files) / 2**30, 2)
+                runs["quantize"]["largest_file_gib"] = round(max(f.stat().st_size for f in files) / 2**30, 2)
         per_b = facts["parameters"] / 1e9
         for run in runs.values():
             run["seconds_per_billion_parameters"] = round(run["seconds"] / per_b, 1)
