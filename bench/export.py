@@ -50,7 +50,7 @@ import torch
 
 
 def tiny_artifact(folder: Path, context: int, prefill_len: int) -> Path:
-    from npuq.models.tiny import tiny_decoder
+    from npuq.testing.tiny import tiny_decoder
     from npuq.quantize.artifact import save_artifact
     from npuq.quantize.pt2e import quantize_model
     from npuq.quant.recipe import load_recipe

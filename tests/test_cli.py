@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from npuq import cli
-from npuq.models.tiny import tiny_hf_model
+from npuq.testing.tiny import tiny_hf_model
 
 
 def _one_line(capsys) -> str:

@@ -29,6 +29,7 @@ LAYERS = (
     ("report",),                         # report.json / report.html of a run
     ("pipeline",),                       # npuq run: cached stages, programs of any folder
     ("cli",),                            # the command line
+    ("testing",),                        # helpers of the tests and benchmarks: nothing in npuq imports them
 )
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

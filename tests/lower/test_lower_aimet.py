@@ -250,7 +250,7 @@ def windowed(tmp_path_factory):
     import torch
 
     from npuq.cli import main
-    from npuq.models.tiny import save_tiny_hf_folder
+    from npuq.testing.tiny import save_tiny_hf_folder
 
     root = tmp_path_factory.mktemp("windowed")
     model = save_tiny_hf_folder(root / "model", "llama", seed=0, words=200)

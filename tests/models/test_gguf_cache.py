@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from npuq.errors import ModelLoadError
 from npuq.models import gguf_cache, load_model
-from npuq.models.tiny import tiny_hf_model
+from npuq.testing.tiny import tiny_hf_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gguf_writer import write_tiny_llama_gguf  # noqa: E402

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from npuq.errors import ModelLoadError, NpuqError
 from npuq.models import load_model, model_info, open_streamed
 from npuq.models.stream import StreamedDecoder
-from npuq.models.tiny import TINY_CONFIGS, save_tiny_hf_folder, tiny_hf_model
+from npuq.testing.tiny import TINY_CONFIGS, save_tiny_hf_folder, tiny_hf_model
 from npuq.models.weights import Checkpoint
 from npuq.runtime.runner import forward_logits
 
