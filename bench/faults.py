@@ -117,7 +117,8 @@ def build_readers(root: Path) -> list[Reader]:
 
     from npuq.calibrate.encodings import read_encodings
     from npuq.data import load_corpus
-    from npuq.lower.export import ExportOptions, export_artifact, read_manifest
+    from npuq.lower.export import ExportOptions, export_artifact
+    from npuq.lower.manifest import read_manifest
     from npuq.models import load_model
     from npuq.testing.tiny import tiny_decoder, tiny_hf_model
     from npuq.quantize.artifact import load_program, read_artifact, save_artifact

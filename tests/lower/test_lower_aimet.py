@@ -17,7 +17,8 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from npuq.lower.aimet import aimet_import_graph, loadable_encodings
-from npuq.lower.export import ExportOptions, export_artifact, read_manifest
+from npuq.lower.export import ExportOptions, export_artifact
+from npuq.lower.manifest import read_manifest
 from npuq.lower.ort import cpu_session, htp_session, qnn_available
 from test_lower_deployable import _feeds
 from test_lower_export import _quantize

@@ -28,29 +28,18 @@ import hashlib
 import itertools
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from npuq.data.document import Document
+from npuq.data.prose import prose_documents
 from npuq.errors import NpuqError
 
 SPLITS = ("eval", "calib")
 CORPUS_HELP = ("builtin, file:PATH (.txt or .jsonl with a 'text' field per line), wikitext2, prose (English prose, "
                "downloaded on first use), or a mix of them joined by '+' (e.g. builtin+prose)")
 _PART = re.compile(r"\+(?=(?:builtin|wikitext2|prose)(?:$|\+)|file:)")  # a '+' that starts another corpus
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str
-    page: str  # the original text: words and bytes are counted on it
-    text: str | None = None  # what the model scores, where it differs from page (detokenized wikitext)
-    replaced: int = 0  # undecodable byte sequences of the source read as U+FFFD (see decode_utf8)
-    part: str = ""  # the corpus spec it came from, in a mix ("A+B"); "" otherwise
-
-    @property
-    def target(self) -> str:
-        return self.page if self.text is None else self.text
 
 
 def load_corpus(spec: str, split: str = "eval") -> list[Document]:
@@ -70,8 +59,6 @@ def load_corpus(spec: str, split: str = "eval") -> list[Document]:
     elif spec == "wikitext2":
         docs = wikitext2_documents(split)
     elif spec == "prose":
-        from npuq.data.prose import prose_documents
-
         docs = prose_documents(split)
     else:
         raise NpuqError(f"unknown corpus {spec!r}; use {CORPUS_HELP}")

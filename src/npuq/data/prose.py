@@ -40,7 +40,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from npuq.data.corpora import Document
+from npuq.data.document import Document
 from npuq.errors import NpuqError
 from npuq.fsio import file_sha256, remove_stale, user_cache_dir
 

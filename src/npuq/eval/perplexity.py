@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from npuq.data.corpora import Document
+from npuq.data.document import Document
 from npuq.data.windows import Window, document_windows, length_batches
 from npuq.errors import NpuqError
 from npuq.eval.kld import Divergence

@@ -17,9 +17,10 @@
 Both graphs share their KV cache with the runner, so every cache input must carry the
 encoding of the matching new-entries output, in both graphs alike: checked here.
 
-:func:`read_manifest` reads the folder back for the runtime: manifest.json as its record
-(:class:`npuq.lower.manifest.Manifest`, which checks every field a runner uses), then the
-graph files, refused when named outside the folder. The free disk is checked before writing.
+:func:`npuq.lower.manifest.read_manifest` reads the folder back for the runtime: manifest.json
+as its record (:class:`npuq.lower.manifest.Manifest`, which checks every field a runner uses),
+then the graph files, refused when named outside the folder. The free disk is checked before
+writing.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any, Iterator
 
 import onnx
 
-from npuq.fsio import atomic_dir, file_sha256, folder_lock, read_json, resolve_inside
+from npuq.fsio import atomic_dir, file_sha256, folder_lock
 from npuq.errors import NpuqError
 from npuq.lower.aimet import FORMAT_VERSION as AIMET_VERSION
 from npuq.lower.aimet import graph_encodings, loadable_encodings, merge_encodings
@@ -49,7 +50,7 @@ from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program, 
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.quantize.artifact import load_program, program_path, read_artifact
-from npuq.records import from_json, optional_key, to_json
+from npuq.records import optional_key, to_json
 
 ENCODINGS_FILE = "encodings.json"  # AIMET 1.0.0 (the artifact's npuq-internal encodings.json is another format)
 GRAPH_ENCODINGS_FILE = "{kind}.encodings.json"  # one graph's, as AIMET's QDQ importer names the tensors
@@ -404,44 +405,3 @@ def _tokenizer(config) -> Any:
                 raise NpuqError(f"--genai needs the model's tokenizer: {exc}") from None
     raise NpuqError("--genai needs the model's tokenizer, but the artifact records no model it can be loaded from "
                     "(quantize again from a model folder, GGUF file or built-in name)")
-
-
-# --------------------------------------------------------------------------- reading it back
-def read_manifest(folder: str | os.PathLike) -> Manifest:
-    """manifest.json of an export folder, checked before anything is opened: every field as its
-    record checks it (:class:`npuq.lower.manifest.Manifest`: the format, the model config, the
-    context, per graph its ar_len and I/O specs as :class:`npuq.lower.ort.OrtGraph` uses them),
-    then each graph's file, which must lie inside the folder and be there."""
-    folder = Path(folder)
-    where, again = f"--onnx {folder}", "export the artifact again"
-    if not (folder / "manifest.json").is_file():
-        raise NpuqError(f"{where}: no manifest.json; is this an `npuq export` folder?")
-    data = read_json(folder / "manifest.json", where, again)
-    if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:  # before its keys: another format's differ
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise NpuqError(f"{where}: manifest format {found!r:.60} is not {EXPORT_FORMAT!r}; {again} with this npuq")
-    try:
-        manifest = from_json(Manifest, data, f"{where}: manifest.json")
-    except NpuqError as exc:
-        raise NpuqError(f"{exc}; {again}") from None
-    for kind, entry in manifest.graphs.items():
-        at = f"{where}, graph {kind!s:.40}"
-        if not resolve_inside(folder, entry.file, at).is_file():
-            raise NpuqError(f"{at}: {entry.file} is missing; {again}")
-        if entry.external_data is not None:
-            resolve_inside(folder, entry.external_data, at)
-    if manifest.encodings is not None:
-        resolve_inside(folder, manifest.encodings.file, f"{where}, encodings")
-        for kind, entry in (manifest.encodings.graphs or {}).items():
-            resolve_inside(folder, entry.file, f"{where}, encodings of graph {kind!s:.40}")
-    if manifest.genai is not None:
-        for name in (manifest.genai.config, *manifest.genai.stages):
-            if not resolve_inside(folder, name, f"{where}, genai").is_file():
-                raise NpuqError(f"{where}, genai: {name} is missing; {again} with --genai")
-    if manifest.compiled is not None:
-        for kind, c in manifest.compiled.graphs.items():
-            at = f"{where}, compiled context {kind!s:.40}"
-            for name in (c.file, c.binary):
-                if not resolve_inside(folder, name, at).is_file():
-                    raise NpuqError(f"{at}: {name} is missing; {again} with --compile")
-    return manifest

@@ -16,7 +16,12 @@ from typing import Any
 import numpy as np
 from onnx import NodeProto, TensorProto, helper
 
+from npuq.errors import NpuqError
 from npuq.lower.qparams import NUMPY_OF, Encoding, quantize
+
+
+class Unsupported(NpuqError):
+    """A builder cannot lower this node; the message is the reason."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,8 +83,6 @@ class NodeView:
     def tensor(self, i: int) -> Value:
         v = self.args[i]
         if not isinstance(v, Value):
-            from npuq.lower.registry import Unsupported
-
             raise Unsupported(f"argument {i} is {type(v).__name__}, expected a tensor")
         return v
 

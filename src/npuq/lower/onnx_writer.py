@@ -33,10 +33,11 @@ from onnx import TensorProto, helper, numpy_helper
 from npuq.errors import NpuqError
 from npuq.lower.builders.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, encoding_of
 from npuq.lower.qparams import Encoding
-from npuq.lower.ir import Initializer, Lowered, NodeView, Note, Value
+from npuq.lower.builders import select
+from npuq.lower.ir import Initializer, Lowered, NodeView, Note, Unsupported, Value
 from npuq.lower.manifest import IOEncoding, IOEntry
 from npuq.lower.patterns import RMS_NORM_OP, match_patterns
-from npuq.lower.registry import BuildContext, LowerOptions, Unsupported, select
+from npuq.lower.registry import BuildContext, LowerOptions
 from npuq.lower.target import Target
 from npuq.records import to_json
 

@@ -32,7 +32,7 @@ import torch
 
 from npuq.fsio import resolve_inside
 from npuq.errors import NpuqError
-from npuq.lower.manifest import GraphEntry, IOEncoding, Manifest
+from npuq.lower.manifest import GraphEntry, IOEncoding, Manifest, read_manifest
 
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 PROVIDERS = ("cpu", "htp")
@@ -256,12 +256,10 @@ def context_use(manifest: Manifest, provider: str, htp_arch: int | None = None) 
 
 def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[Manifest, dict[int, OrtGraph]]:
     """(manifest, {ar_len: graph}) for a folder written by ``npuq export``; the manifest is
-    checked first (:func:`npuq.lower.export.read_manifest`: graph files must lie inside
+    checked first (:func:`npuq.lower.manifest.read_manifest`: graph files must lie inside
     ``folder``), and a graph ONNX Runtime cannot open is an :class:`NpuqError`. On ``htp`` the
     compiled contexts run when :func:`context_use` says so (their outputs are the QDQ graph's,
     bit for bit, and they load in a fraction of the time)."""
-    from npuq.lower.export import read_manifest
-
     folder = Path(folder)
     if provider not in PROVIDERS:
         raise NpuqError(f"unknown provider {provider!r}; choose {', '.join(PROVIDERS)}")

@@ -13,8 +13,8 @@ import numpy as np
 from onnx import TensorProto
 
 from npuq.lower.qparams import NUMPY_OF, Encoding, lpbq_split, quantize
-from npuq.lower.ir import Emit, Lowered, NodeView, Value
-from npuq.lower.registry import BuildContext, Unsupported, register
+from npuq.lower.ir import Emit, Lowered, NodeView, Unsupported, Value
+from npuq.lower.registry import BuildContext, register
 
 
 def _weight_codes(w: Value) -> tuple[np.ndarray, Encoding] | None:
