@@ -93,21 +93,30 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert (line, package_of(module)) == (2, "cli") and RANK["cli"] > RANK["models"]
 
 
-# What may be imported inside a function, and what each one loads: third-party modules whose
+# What may be imported inside a function, and what importing it loads: third-party modules whose
 # import costs about 40 ms or more on its own (``python -X importtime -c "import X"``, measured
 # on the CPU machine of the README: torch 1.2 s, torchao 1.4 s on top of torch, transformers
 # 0.7 s, onnx 0.7 s, datasets 0.7 s, matplotlib.pyplot 0.6 s, gguf 0.1-0.25 s, onnxruntime
 # 0.1 s, numpy 60-80 ms, tqdm 50-110 ms, filelock 40-90 ms) or optional (lm_eval,
-# onnxruntime_qnn). A key names a module and everything under it; the value is the heavy
-# library importing it loads. Anything else (the standard library, psutil 20 ms,
-# threadpoolctl 20 ms, tokenizers 15 ms, every npuq module that loads none of these) is
-# imported at module level.
+# onnxruntime_qnn). A key names a module and everything under it; the value is every heavy
+# library importing it loads (``sys.modules`` after the import: torch loads numpy and tqdm).
+# Anything else (the standard library, psutil 20 ms, threadpoolctl 20 ms, tokenizers 15 ms,
+# every npuq module that loads none of these) is imported at module level.
 HEAVY = {
-    "torch": "torch", "torchao": "torchao", "transformers": "transformers", "onnx": "onnx",
-    "onnxruntime": "onnxruntime", "onnxruntime_qnn": "onnxruntime_qnn", "lm_eval": "lm_eval",
-    "datasets": "datasets", "matplotlib": "matplotlib", "gguf": "gguf", "numpy": "numpy",
-    "tqdm": "tqdm", "filelock": "filelock",
-    "safetensors.torch": "torch",  # safetensors alone is light; its torch half imports torch
+    "torch": {"torch", "numpy", "tqdm"},
+    "torchao": {"torchao", "torch", "numpy", "tqdm"},
+    "transformers": {"transformers", "numpy", "tqdm", "filelock"},
+    "onnx": {"onnx", "numpy"},
+    "onnxruntime": {"onnxruntime", "numpy"},
+    "onnxruntime_qnn": {"onnxruntime_qnn"},
+    "lm_eval": {"lm_eval"},
+    "datasets": {"datasets", "numpy", "tqdm", "filelock"},
+    "matplotlib": {"matplotlib", "numpy"},
+    "gguf": {"gguf", "numpy"},
+    "numpy": {"numpy"},
+    "tqdm": {"tqdm"},
+    "filelock": {"filelock"},
+    "safetensors.torch": {"torch", "numpy", "tqdm"},  # safetensors alone is light; its torch half is not
 }
 
 # Function-level imports that do not meet the rule yet, as "module -> imported module"; each
@@ -248,7 +257,7 @@ def find_cycles(root: Path) -> list[list[str]]:
 
 def _heavy(target: str) -> set[str]:
     parts = target.split(".")
-    return {HEAVY[".".join(parts[:n])] for n in range(1, len(parts) + 1) if ".".join(parts[:n]) in HEAVY}
+    return {lib for n in range(1, len(parts) + 1) for lib in HEAVY.get(".".join(parts[:n]), ())}
 
 
 def heavy_loads(root: Path) -> dict[str, set[str]]:

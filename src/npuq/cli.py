@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
+import os
 import signal
 import sys
+import time
+from dataclasses import replace
 from typing import Any, Callable
 
+from npuq.data import load_corpus
+from npuq.data.corpora import replaced_characters
 from npuq.errors import NpuqError
+from npuq.fsio import write_json
+from npuq.quant.recipe import RECIPES, ROTATE_CHOICES
+from npuq.quant.schemes import SCHEMES
+from npuq.records import to_json
 
 
 def _whole_number(text: str, low: int) -> int:
@@ -66,8 +76,6 @@ def _stay_offline(environ: Any = None) -> None:
     """No network at run time: the Hugging Face libraries read these once, when first imported,
     so this runs before any of them is. A user who sets HF_HUB_OFFLINE (e.g. to 0, to fill the
     datasets cache once) decides for all three."""
-    import os
-
     environ = os.environ if environ is None else environ
     value = environ.get("HF_HUB_OFFLINE", "1")
     for name in OFFLINE_VARIABLES:
@@ -160,9 +168,6 @@ def _export_options(args: argparse.Namespace) -> Any:
 
 def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     """What to quantize and how, shared by ``quantize`` and ``run``."""
-    from npuq.quant.recipe import RECIPES, ROTATE_CHOICES
-    from npuq.quant.schemes import SCHEMES
-
     p.add_argument("--scheme", choices=list(SCHEMES), metavar="S",
                    help=f"default scheme, one of {', '.join(SCHEMES)} (default: the recipe's; the default recipe's is 16a8w)")
     p.add_argument("--recipe", metavar="R",
@@ -251,7 +256,6 @@ def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.models import load_model
-    from npuq.records import to_json
     from npuq.runtime.generate import generate
 
     ctx = _context_of(args)
@@ -277,13 +281,8 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- eval
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
-    from dataclasses import replace
-
-    from npuq.data import load_corpus
-    from npuq.data.corpora import replaced_characters
     from npuq.eval.perplexity import EvalOptions, check_context, evaluate_model
     from npuq.models import DEFAULT_MAX_CONTEXT, load_model
-    from npuq.records import to_json
 
     if args.tasks:
         return _eval_tasks(args)
@@ -364,8 +363,6 @@ def _open_graphs(args: argparse.Namespace, ctx: Any, context: int | None = None)
 def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
     """``npuq eval --tasks``: lm-evaluation-harness's tasks on the float model, an artifact's
     programs or an export's graphs (npuq.eval.lm_eval_adapter)."""
-    import time
-
     from npuq.eval.perplexity import check_context
     from npuq.models import DEFAULT_MAX_CONTEXT, load_model
     from npuq.runtime.runner import forward_logits
@@ -455,7 +452,6 @@ def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- quantize
 def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.quantize.stage import quantize_to_artifact
-    from npuq.records import to_json
 
     options = _quantize_options(args)
     result = quantize_to_artifact(options, args.out, _context_of(args), force=args.force)
@@ -468,7 +464,6 @@ def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- export
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.lower.export import export_artifact
-    from npuq.records import to_json
 
     result = export_artifact(args.artifact, args.out, _export_options(args), force=args.force)
     compiled = ", decode_ctx.onnx, prefill_ctx.onnx + .bin" if result.compile_seconds is not None else ""
@@ -680,8 +675,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_third_party_imports() -> None:
     """torchao warns at import about its CUDA-only kernels, torch about a deprecated Enum
     registration inside torchao: noise on a CPU machine, shown again with --debug."""
-    import logging
-
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -701,8 +694,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = func(args)
         if args.json:
-            from npuq.fsio import write_json
-
             write_json(args.json, result)
     except NpuqError as exc:
         if args.debug:

@@ -16,6 +16,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from npuq.errors import NpuqError
 
 BYTES_PER_ELEMENT = 4  # calibration runs the float32 graph
@@ -159,8 +161,6 @@ def available_memory(device=None) -> int:
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
     candidates = []
     try:
-        import psutil
-
         candidates.append(int(psutil.virtual_memory().available))
     except ImportError:
         try:

@@ -263,13 +263,13 @@ def test_a_gguf_with_a_non_finite_tensor_is_refused_and_not_cached(cache, tmp_pa
 
 
 def test_an_interrupted_conversion_leaves_nothing(cache, gguf, monkeypatch):
-    import npuq.models.weights
+    import npuq.models.gguf_cache
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(npuq.models.weights, "write_safetensors", interrupted)
+        m.setattr(npuq.models.gguf_cache, "write_safetensors", interrupted)
         with pytest.raises(KeyboardInterrupt):
             load_model(str(gguf))
     assert _entries(cache) == [] and [p.name for p in cache.iterdir() if p.name.startswith(".")] == []

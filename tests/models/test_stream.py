@@ -115,11 +115,11 @@ def test_a_non_finite_block_is_refused_when_it_is_read(tmp_path):
 
 
 def test_a_model_larger_than_memory_is_refused_before_loading(folder, monkeypatch):
-    import npuq.resources
+    import npuq.models
 
     _, folder = folder
 
-    monkeypatch.setattr(npuq.resources, "available_memory", lambda device=None: 1 << 10)
+    monkeypatch.setattr(npuq.models, "available_memory", lambda device=None: 1 << 10)  # where load_model reads it
     with pytest.raises(NpuqError, match=r"needs .* GiB as float32 but only 0.00 GiB .*--stream"):
         load_model(str(folder))
     assert open_streamed(str(folder)).model is not None  # the streamed model needs no room for the weights

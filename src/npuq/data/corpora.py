@@ -28,8 +28,10 @@ import hashlib
 import itertools
 import json
 import re
+import warnings
 from dataclasses import replace
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Any
 
 from npuq.data.document import Document
@@ -101,8 +103,6 @@ def builtin_split_of(topic: str) -> str:
 
 
 def builtin_documents(split: str) -> list[Document]:
-    from pydoc_data.topics import topics  # {topic: text}, part of the standard library
-
     return sorted(
         (Document(f"builtin/{name}", text) for name, text in topics.items()
          if builtin_split_of(name) == split and text.strip()),
@@ -133,8 +133,6 @@ def file_documents(path_text: str) -> list[Document]:
     Bytes that are not UTF-8 are read as U+FFFD and counted (``Document.replaced``), with a
     warning, rather than refused: a scraped corpus with a few broken bytes is still usable.
     """
-    import warnings
-
     path = Path(path_text).expanduser()
     if not path_text:
         raise NpuqError("corpus 'file:' names no file: use file:PATH with a .txt or .jsonl file")

@@ -31,13 +31,16 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import onnx
+from google.protobuf.message import EncodeError
 
+from npuq import __version__
 from npuq.fsio import atomic_dir, file_sha256, folder_lock
 from npuq.errors import NpuqError
 from npuq.lower.aimet import FORMAT_VERSION as AIMET_VERSION
@@ -49,8 +52,10 @@ from npuq.lower.manifest import (EXPORT_FORMAT, GENAI_CACHES, KV_PREFIXES, Artif
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program, share_model_qdq_params
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
+from npuq.models import load_tokenizer
 from npuq.quantize.artifact import load_program, program_path, read_artifact
 from npuq.records import optional_key, to_json
+from npuq.resources import check_free_disk
 
 ENCODINGS_FILE = "encodings.json"  # AIMET 1.0.0 (the artifact's npuq-internal encodings.json is another format)
 GRAPH_ENCODINGS_FILE = "{kind}.encodings.json"  # one graph's, as AIMET's QDQ importer names the tensors
@@ -114,8 +119,6 @@ def check_kv_encodings(graphs: dict[str, LoweredGraph]) -> None:
 
 def _serialize(model: onnx.ModelProto) -> bytes | None:
     """The model's bytes when it fits one protobuf file (below PROTOBUF_LIMIT), else None."""
-    from google.protobuf.message import EncodeError
-
     try:
         data = model.SerializeToString()
     except (ValueError, EncodeError):  # protobuf refuses messages of 2 GiB and more
@@ -132,8 +135,6 @@ def _save_external(model: onnx.ModelProto, path: Path) -> list[str]:
 def _write(data: bytes, path: Path) -> str:
     """Write ``data`` (what onnx.save writes for the model) and return its sha256, hashed from
     memory in a second thread while the file is written (both release the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(1) as pool:
         digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
         with open(path, "wb") as f:
@@ -241,8 +242,6 @@ def export_artifact(
 
 
 def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, target: Target | None) -> ExportResult:
-    from npuq import __version__
-
     start = time.perf_counter()
     if out.exists() and not force:
         raise NpuqError(f"{out} already exists: pass --force to replace it, or choose another --out")
@@ -257,8 +256,6 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     if options.genai:  # refused before any lowering: a window the runtime cannot run, no tokenizer
         genai.check_window(config.context, config.programs["prefill"].ar_len if "prefill" in config.programs else 1)
         tokenizer = _tokenizer(config)
-
-    from npuq.resources import check_free_disk
 
     phases = dict.fromkeys(PHASES, 0.0)
     lowered: dict[str, LoweredGraph] = {}  # each graph's I/O and notes, its proto dropped once written
@@ -394,8 +391,6 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
 
 def _tokenizer(config) -> Any:
     """The artifact's model's tokenizer, for --genai (its recorded source when still there, else its name)."""
-    from npuq.models import load_tokenizer
-
     model = config.model
     for spec, is_path in ((model.source if model else None, True), (model.name if model else None, False)):
         if spec and "\x00" not in spec and (not is_path or Path(spec).exists()):

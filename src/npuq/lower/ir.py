@@ -17,7 +17,7 @@ import numpy as np
 from onnx import NodeProto, TensorProto, helper
 
 from npuq.errors import NpuqError
-from npuq.lower.qparams import NUMPY_OF, Encoding, quantize
+from npuq.lower.qparams import NUMPY_OF, Encoding, constant_encoding, quantize
 
 
 class Unsupported(NpuqError):
@@ -160,8 +160,6 @@ class Emit:
 
     def scalar(self, value: float, like: Value | None, tag: str = "scalar") -> str:
         """A scalar operand: quantized exactly to the type of ``like`` when that is quantized."""
-        from npuq.lower.qparams import constant_encoding
-
         if like is None or like.encoding is None or like.encoding.per_channel:
             return self.const(np.array(value, dtype=np.float32), tag)
         enc = constant_encoding(value, like.encoding)

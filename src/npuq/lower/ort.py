@@ -19,6 +19,7 @@ backend (in CPU emulation on x86-64 hosts, on the NPU on a device).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import subprocess
@@ -28,7 +29,9 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import onnx
 import torch
+from onnx import TensorProto as T, helper, numpy_helper
 
 from npuq.fsio import resolve_inside
 from npuq.errors import NpuqError
@@ -286,8 +289,6 @@ def _open_cpu(path: Path, weights: dict):
     it opens (the graph opens on its first call, inside the caller's thread scope: the phase's
     planned count)."""
     try:
-        import onnx
-
         model, fed = dequantized_weights(onnx.load(str(path)), weights)
         return _WeightsFed(cpu_session(model, threads=torch.get_num_threads()), fed)
     except Exception as exc:  # noqa: BLE001  (ONNX Runtime raises its own exception types)
@@ -305,11 +306,6 @@ def dequantized_weights(model, shared: dict) -> tuple[object, dict[str, np.ndarr
     each call computes what it computed before, bit for bit. ``shared`` maps a node's inputs
     (names, attributes and bytes) to its values, so the prefill and decode graphs of one
     export hold one float copy of the weights."""
-    import hashlib
-
-    from onnx import TensorProto as T
-    from onnx import helper, numpy_helper
-
     fed_types = {T.FLOAT, T.INT8, T.UINT8, T.INT16, T.UINT16, T.INT32, T.UINT32, T.INT64}  # int4 & co. stay initializers
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}

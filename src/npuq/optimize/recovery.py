@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from npuq.errors import NpuqError
+from npuq.quant.schemes import PerBlock
 
 
 def resolve_recovery(
@@ -43,7 +44,6 @@ def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
     import torch
 
     from npuq.optimize.driver import MAX_BITS, WeightSpec
-    from npuq.quant.schemes import PerBlock
 
     specs = {}
     for path, module in model.named_modules():

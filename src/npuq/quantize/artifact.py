@@ -38,15 +38,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torchao
 from torch.fx import GraphModule
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
+import npuq
 from npuq.fsio import atomic_dir, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
-from npuq.calibrate.encodings import encodings_json
+from npuq.calibrate.encodings import encodings_json, read_encodings
 from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, tensor_bytes, write_programs
 from npuq.quantize.passes import fold_constant_dequant, simplify_qdq
 from npuq.quantize.pt2e import QuantizedModel
+from npuq.resources import check_free_disk
 from npuq.runtime.runner import tokens_shape
 from npuq.quant.recipe import Recipe
 from npuq.records import from_json, optional_key, to_json
@@ -153,10 +157,6 @@ def _state_sha256(items: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def versions() -> dict[str, str]:
-    import torchao
-
-    import npuq
-
     return {"npuq": npuq.__version__, "torch": torch.__version__, "torchao": torchao.__version__}
 
 
@@ -190,8 +190,6 @@ def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = F
                   rotation: dict[str, Any] | None = None) -> Path:
     """Write ``qm`` to the folder ``out`` atomically (see the module docstring); ``model``,
     ``calibration``, ``optimize`` and ``rotation`` go into config.json as they are."""
-    from npuq.resources import check_free_disk
-
     final = check_destination(out, force)
     encodings_text = encodings_json(qm.encodings)  # what json.dumps(indent=1) writes, made faster
     check_free_disk(final, estimate_artifact_bytes(qm, encodings_text), f"the artifact {final}")
@@ -293,10 +291,6 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True, scorin
     float-sized weights in memory. Pass False to keep the programs as saved (q/dq nodes and all,
     what the lowering reads). ``scoring``: also load the scoring program, if the artifact has one.
     """
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
-    from npuq.calibrate.encodings import read_encodings
-
     path = Path(folder)
     config = read_artifact(path)
     encodings = read_encodings(path / "encodings.json")  # checked before the slow program loads

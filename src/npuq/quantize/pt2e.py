@@ -35,8 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+import torchao.utils
+from torch.ao.quantization.fx import utils as fx_utils
 from torch.fx import GraphModule
+from torch.fx.experimental import proxy_tensor
 from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+from tqdm import tqdm
 
 from npuq.calibrate.encodings import collect_encodings
 from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
@@ -277,10 +281,6 @@ def forget_graphs() -> None:
     Without this the exported and prepared graphs, and the weights they hold, outlive the
     quantize stage (found on Qwen2.5-Coder-0.5B: `npuq run` kept about one fp32 copy of the model
     after quantize; three GraphModules reachable only from these caches)."""
-    import torchao.utils
-    from torch.ao.quantization.fx import utils as fx_utils
-    from torch.fx.experimental import proxy_tensor
-
     for cached in (getattr(torchao.utils, "_assert_and_get_unique_device", None),
                    getattr(fx_utils, "assert_and_get_unique_device", None)):
         if hasattr(cached, "cache_clear"):
@@ -289,6 +289,4 @@ def forget_graphs() -> None:
 
 
 def _progress_bar(total: int, desc: str):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False)

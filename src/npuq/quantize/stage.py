@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from npuq.data.corpora import corpus_tokens
+from npuq.calibrate.split import split_windows
+from npuq.data.corpora import corpus_tokens, load_corpus, replaced_characters
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
+from npuq.models import load_model
 from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
-from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS
+from npuq.optimize.rotate import rotate_model
+from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS, load_recipe
+from npuq.quantize.artifact import ModelInfo, check_destination, save_artifact, start_weights_sha256
 from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
 from npuq.runtime.context import ExecutionContext
 
@@ -121,9 +125,6 @@ class QuantizeResult:
 def check_quantize(options: QuantizeOptions) -> Any:
     """What can be checked without the model, beyond the record's own checks: the recipe (a
     file is read) and the calibration corpus. Returns (recipe, calibration documents)."""
-    from npuq.data.corpora import load_corpus
-    from npuq.quant.recipe import load_recipe
-
     recipe = load_recipe(options.recipe, options.scheme)
     if options.rotate is not None:
         recipe = recipe.with_rotation(None if options.rotate == "none" else options.rotate)
@@ -144,10 +145,6 @@ def quantize_to_artifact(
 
 
 def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force: bool) -> QuantizeResult:
-    from npuq.data.corpora import replaced_characters
-    from npuq.models import load_model
-    from npuq.quantize.artifact import ModelInfo, check_destination, save_artifact, start_weights_sha256
-
     start = time.perf_counter()
     check_destination(out, force)  # cheap checks first: the model takes seconds to load
     recipe, documents = check_quantize(o)
@@ -158,7 +155,6 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     weights_sha256 = start_weights_sha256(loaded.model)  # of the float weights as loaded
     rotation = None
     if recipe.rotate is not None:  # before everything that reads the weights: the artifact holds rotated ones
-        from npuq.optimize.rotate import rotate_model
 
         weights_sha256()  # the rotation writes the weights in place: the hash first
 
@@ -169,8 +165,6 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     plan = ctx.plan_model(loaded.model, (o.phase,), o.context)
     weight_scales, optimized = None, None
     if o.recovers:
-        from npuq.calibrate.split import split_windows
-
         weights_sha256()  # the recovery writes its rounded weights in place: the hash first
 
         with ctx.scope(o.phase):

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from npuq import __version__
 from npuq.records import to_json
 from npuq.report.html import Figure, Section, Table, figure_png, render
 
@@ -75,7 +76,6 @@ def recipe_rows(plan: list[dict[str, str]]) -> list[list[Any]]:
 
 def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
     """(report.json content, report.html text) of a finished :class:`npuq.pipeline.job.Job`."""
-    from npuq import __version__
     from npuq.eval.layers import LayerError, worst
     from npuq.quantize.artifact import read_artifact
 

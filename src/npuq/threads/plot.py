@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+from npuq.fsio import atomic_path
 from npuq.threads.tuner import TuneResult
 
 
@@ -39,8 +40,6 @@ def sweep_figure(results: Sequence[TuneResult], title: str = "") -> Any:
 def plot_results(results: Sequence[TuneResult], path: str | os.PathLike, title: str = "") -> None:
     """Write :func:`sweep_figure` to a PNG file, atomically."""
     import matplotlib.pyplot as plt
-
-    from npuq.fsio import atomic_path
 
     fig = sweep_figure(results, title)
     with atomic_path(path) as tmp:
