@@ -208,6 +208,7 @@ def folder_lock(path: str | os.PathLike, what: str, wait: float = 0.0) -> Iterat
     one line on stderr says so and the lock is awaited that many seconds. Released when the
     block ends, by an exception or Ctrl-C included. ``what`` starts the message ("npuq run").
     """
+    # filelock (40-90 ms) loads on use: every command imports fsio, few take a lock
     import filelock
 
     folder = Path(path)

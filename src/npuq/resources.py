@@ -156,6 +156,7 @@ def available_memory(device=None) -> int:
     memory, else the system's available memory (psutil, else /proc/meminfo ``MemAvailable``)
     capped by the cgroup's headroom. Unknown: no limit."""
     if device is not None and str(device).startswith("cuda"):
+        # torch only for a CUDA device: this module loads no heavy library
         import torch
 
         return int(torch.cuda.mem_get_info(torch.device(device))[0])

@@ -191,6 +191,7 @@ WIKITEXT_SPLITS = {"eval": "test", "calib": "train"}
 
 def wikitext2_documents(split: str) -> list[Document]:
     try:
+        # optional: only the wikitext2 corpus needs datasets
         import datasets
     except ImportError:
         raise NpuqError(

@@ -43,6 +43,7 @@ _registered = False
 
 
 def _ort():
+    # onnxruntime (0.1 s) loads when a session is opened
     import onnxruntime
 
     return onnxruntime
@@ -109,6 +110,7 @@ def register_qnn():
     reason = qnn_available()
     if reason:
         raise NpuqError(f"cannot use the QNN HTP backend: {reason}")
+    # optional: the QNN HTP execution provider (onnxruntime-qnn)
     import onnxruntime_qnn
 
     if not _registered:

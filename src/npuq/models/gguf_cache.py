@@ -303,6 +303,7 @@ def _write_fast_tokenizer(folder: Path) -> dict[str, Any] | None:
     a probe. None (nothing written) otherwise, or on any failure: the tokenizer then always
     comes from transformers, as before."""
     try:
+        # transformers (0.7 s) loads on use: a cached GGUF model runs without it
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -367,6 +368,7 @@ class CachedHFConfig:
         if name.startswith("__") or name in ("_folder", "_config"):
             raise AttributeError(name)
         if self._config is None:
+            # transformers (0.7 s) loads on use: a cached GGUF model runs without it
             from transformers import AutoConfig
 
             try:

@@ -309,6 +309,7 @@ def read_hf_config(folder: Path) -> Any:
         raise UnsupportedArchitecture(
             f"{config_file}: model type {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
+    # transformers (0.7 s) loads only when a config or tokenizer is read with it
     from transformers import AutoConfig
 
     try:
@@ -341,6 +342,7 @@ def hf_tokenizer(folder: Path) -> Callable[[], Any]:
     """Loads the tokenizer saved in ``folder`` when called."""
 
     def tokenizer():
+        # transformers (0.7 s) loads only when a config or tokenizer is read with it
         from transformers import AutoTokenizer
 
         try:
@@ -391,6 +393,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_reader(path: Path) -> Any:
+    # gguf (0.1-0.25 s) loads only when a GGUF file is read
     import gguf
 
     try:
@@ -432,6 +435,7 @@ class GGUFTensors:
         return {name: tuple(int(d) for d in reversed(t.shape)) for name, t in self.tensors.items()}
 
     def get(self, name: str) -> torch.Tensor:
+        # gguf (0.1-0.25 s) loads only when a GGUF file is read
         import gguf
 
         t = self.tensors[name]
@@ -472,6 +476,7 @@ def _reader_shared(path: Path, reader: Any) -> Iterator[None]:
     file again. AutoConfig and AutoTokenizer each build a gguf.GGUFReader of the file (1.8 s
     apiece for SmolLM2-135M, most of it reading the 49k-token vocabulary item by item), and
     the reader holds nothing a reading changes."""
+    # gguf (0.1-0.25 s) loads only when a GGUF file is read
     import gguf
 
     real, target = gguf.GGUFReader, path.resolve()
@@ -490,6 +495,7 @@ def _reader_shared(path: Path, reader: Any) -> Iterator[None]:
 
 def _gguf_config(path: Path) -> Any:
     """transformers' config of a GGUF file (its metadata parsed by transformers)."""
+    # transformers (0.7 s) loads only when a config or tokenizer is read with it
     from transformers import AutoConfig
 
     # transformers parses untrusted metadata here and may raise anything on a damaged file.
@@ -517,6 +523,7 @@ def gguf_tokenizer(path: Path) -> Any:
     leaves out what the tokenizer class adds when it loads from files (Qwen2's NFC normalizer:
     "cafe" + U+0301 was 3 tokens from the GGUF and 2 from the cache), so without this round
     trip a model encoded such text one way on its first load and another way after."""
+    # transformers (0.7 s) loads only when a config or tokenizer is read with it
     from transformers import AutoTokenizer
 
     try:

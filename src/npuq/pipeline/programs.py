@@ -64,6 +64,7 @@ class Programs:
 
 def open_programs(artifact: str | None = None, onnx: str | None = None, provider: str = "cpu") -> Programs:
     if artifact:
+        # torchao (1.4 s) loads only when an artifact is opened
         from npuq.quantize.artifact import load_artifact, read_artifact
 
         qm = load_artifact(artifact)
@@ -73,6 +74,7 @@ def open_programs(artifact: str | None = None, onnx: str | None = None, provider
                         {"artifact": str(artifact), "scheme": qm.recipe.default, "recipe": qm.recipe.name},
                         qm.scoring)
     if onnx:
+        # onnx (0.7 s) loads only when an export is opened
         from npuq.lower.ort import context_use, load_export
 
         manifest, graphs = load_export(onnx, provider)

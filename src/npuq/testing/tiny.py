@@ -39,6 +39,7 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def tiny_hf_model(name: str, seed: int = 0) -> Any:
     """A transformers causal LM with random weights (norm weights perturbed too), eval mode, fp32."""
+    # transformers (0.7 s) loads on use
     import transformers
 
     cls_name, kwargs = TINY_CONFIGS[name]
@@ -64,6 +65,7 @@ def tiny_decoder(name: str, seed: int = 0, max_context: int = 64):
 def save_tiny_hf_folder(folder: Any, name: str = "llama", seed: int = 0, words: int = 200) -> Any:
     """Write a loadable Hugging Face folder (safetensors + a word-level tokenizer over the words
     ``w0`` … ``w{words-1}``) of the tiny ``name`` model, for end-to-end CLI tests."""
+    # transformers (0.7 s) loads on use
     from transformers import PreTrainedTokenizerFast
 
     folder = Path(folder)  # words + 3 above vocab_size (256) makes a mismatched folder, for tests of that
