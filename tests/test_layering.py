@@ -286,24 +286,34 @@ def heavy_loads(root: Path) -> dict[str, set[str]]:
     return loads
 
 
-def deferred_import_problems(root: Path) -> list[str]:
-    """Each import inside a function that defers nothing heavy, or gives no reason."""
+def _deferrals(root: Path) -> list[tuple[str, Import, set[str]]]:
+    """(module, import, heavy libraries it defers that the module does not load already) of
+    every import inside a function."""
     loads = heavy_loads(root)
+    return [(name, i, (loads[i.target] if i.internal else _heavy(i.target)) - loads[name])
+            for name, found in scan(root).items() for i in found if i.in_function and not i.type_only]
+
+
+def deferred_import_problems(root: Path, allowed: frozenset[str] = ALLOWED) -> list[str]:
+    """Each import inside a function that defers nothing heavy, or gives no reason, unless
+    ``allowed`` names it ("module -> imported module")."""
     problems = []
-    for name, found in scan(root).items():
-        for i in found:
-            if not i.in_function or i.type_only:
-                continue
-            saved = (loads[i.target] if i.internal else _heavy(i.target)) - loads[name]
-            if f"{name} -> {i.target}" in ALLOWED:
-                continue
-            if not saved:
-                problems.append(f"{name}:{i.line} imports {i.target} inside a function, which loads nothing "
-                                f"heavy that {name} does not load already: import it at module level")
-            elif not i.commented:
-                problems.append(f"{name}:{i.line} defers {i.target} ({', '.join(sorted(saved))}) without a "
-                                "one-line reason in a comment")
+    for name, i, saved in _deferrals(root):
+        if f"{name} -> {i.target}" in allowed:
+            continue
+        if not saved:
+            problems.append(f"{name}:{i.line} imports {i.target} inside a function, which loads nothing "
+                            f"heavy that {name} does not load already: import it at module level")
+        elif not i.commented:
+            problems.append(f"{name}:{i.line} defers {i.target} ({', '.join(sorted(saved))}) without a "
+                            "one-line reason in a comment")
     return problems
+
+
+def unneeded_allowances(root: Path, allowed: frozenset[str] = ALLOWED) -> list[str]:
+    """The entries of ``allowed`` that no import under ``root`` needs any more."""
+    needed = {f"{name} -> {i.target}" for name, i, saved in _deferrals(root) if not saved or not i.commented}
+    return sorted(allowed - needed)
 
 
 def test_no_import_cycles():
@@ -318,15 +328,7 @@ def test_imports_inside_functions_defer_heavy_libraries():
 
 def test_allowed_exceptions_are_still_needed():
     """An entry of ALLOWED that the code no longer needs must go (the list only shrinks)."""
-    needed = set()
-    loads = heavy_loads(SRC)
-    for name, found in scan(SRC).items():
-        for i in found:
-            if i.in_function and not i.type_only:
-                saved = (loads[i.target] if i.internal else _heavy(i.target)) - loads[name]
-                if not saved or not i.commented:
-                    needed.add(f"{name} -> {i.target}")
-    assert ALLOWED <= needed, f"no longer needed, remove from ALLOWED: {sorted(ALLOWED - needed)}"
+    assert unneeded_allowances(SRC) == [], "no longer needed: remove them from ALLOWED"
 
 
 def test_nothing_in_npuq_imports_its_test_helpers():
@@ -376,3 +378,9 @@ def test_the_checker_sees_needless_and_unexplained_deferred_imports(tmp_path):
     })
     lines = [p.split(" ")[0] for p in deferred_import_problems(pkg)]
     assert lines == ["pkg.a:3", "pkg.a:5", "pkg.a:7", "pkg.a:11"]
+
+
+def test_an_allowance_covers_one_import_and_must_stay_needed(tmp_path):
+    pkg = _tree(tmp_path, {"__init__.py": "", "a.py": "def f():\n    import json\n"})
+    assert deferred_import_problems(pkg, frozenset({"pkg.a -> json"})) == []
+    assert unneeded_allowances(pkg, frozenset({"pkg.a -> json", "pkg.a -> os"})) == ["pkg.a -> os"]
