@@ -95,7 +95,7 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 
 # What may be imported inside a function, and what importing it loads: third-party modules whose
 # import costs about 40 ms or more on its own (``python -X importtime -c "import X"``, measured
-# on the CPU machine of the README: torch 1.2 s, torchao 1.4 s on top of torch, transformers
+# on a 2-core CPU machine: torch 1.2 s, torchao 1.4 s on top of torch, transformers
 # 0.7 s, onnx 0.7 s, datasets 0.7 s, matplotlib.pyplot 0.6 s, gguf 0.1-0.25 s, onnxruntime
 # 0.1 s, numpy 60-80 ms, tqdm 50-110 ms, filelock 40-90 ms) or optional (lm_eval,
 # onnxruntime_qnn). A key names a module and everything under it; the value is every heavy
