@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from npuq.calibrate.encodings import collect_encodings
     from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
-    from npuq.calibrate.transfer import copy_observer_state
+    from npuq.testing.transfer import copy_observer_state
     from npuq.calibrate.split import split_windows
     from npuq.models import load_model
     from npuq.quantize.pt2e import prepare_graph

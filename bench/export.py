@@ -50,7 +50,7 @@ import torch
 
 
 def tiny_artifact(folder: Path, context: int, prefill_len: int) -> Path:
-    from npuq.models.tiny import tiny_decoder
+    from npuq.testing.tiny import tiny_decoder
     from npuq.quantize.artifact import save_artifact
     from npuq.quantize.pt2e import quantize_model
     from npuq.quant.recipe import load_recipe
@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.max_tokens, args.tokens, args.htp_tokens = 0, 0, 0
 
     from npuq.eval.perplexity import window_loglikelihood
-    from npuq.lower.export import ExportOptions, export_artifact, read_manifest
+    from npuq.lower.export import ExportOptions, export_artifact
+    from npuq.lower.manifest import read_manifest
     from npuq.models.config import ModelConfig
     from npuq.quantize.artifact import load_artifact, read_artifact
     from npuq.lower import ort

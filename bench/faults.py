@@ -117,9 +117,10 @@ def build_readers(root: Path) -> list[Reader]:
 
     from npuq.calibrate.encodings import read_encodings
     from npuq.data import load_corpus
-    from npuq.lower.export import ExportOptions, export_artifact, read_manifest
+    from npuq.lower.export import ExportOptions, export_artifact
+    from npuq.lower.manifest import read_manifest
     from npuq.models import load_model
-    from npuq.models.tiny import tiny_decoder, tiny_hf_model
+    from npuq.testing.tiny import tiny_decoder, tiny_hf_model
     from npuq.quantize.artifact import load_program, read_artifact, save_artifact
     from npuq.quantize.pt2e import quantize_model
     from npuq.quant.recipe import load_recipe
@@ -266,7 +267,7 @@ def resume_section(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from npuq.models.tiny import save_tiny_hf_folder
+    from npuq.testing.tiny import save_tiny_hf_folder
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="npuq-resume-") as tmp:

@@ -80,7 +80,7 @@ def tiny_folders(tmp_path_factory):
     import torch
 
     from npuq.lower.export import ExportOptions, export_artifact
-    from npuq.models.tiny import tiny_decoder
+    from npuq.testing.tiny import tiny_decoder
     from npuq.quantize.artifact import save_artifact
     from npuq.quantize.pt2e import quantize_model
     from npuq.quant.recipe import load_recipe

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from npuq import cli
-from npuq.models.tiny import tiny_hf_model
+from npuq.testing.tiny import tiny_hf_model
 
 
 def _one_line(capsys) -> str:
@@ -59,11 +59,14 @@ def test_flag_out_of_range_is_one_line(capsys, tmp_path, argv, message):
 ])
 def test_flags_that_must_fit_the_context(capsys, tmp_path, monkeypatch, argv, message):
     import npuq.models
+    import npuq.pipeline.job
+    import npuq.quantize.stage
 
     def no_model(*args, **kwargs):
         raise AssertionError("the flags are checked before any model loads")
 
-    monkeypatch.setattr(npuq.models, "load_model", no_model)
+    for module in (npuq.models, npuq.quantize.stage, npuq.pipeline.job):  # each module that calls it
+        monkeypatch.setattr(module, "load_model", no_model)
     if argv[0] in ("quantize", "run"):
         argv = [*argv, "--out", str(tmp_path / "o")]
     assert cli.main(argv) == 2

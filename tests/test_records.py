@@ -121,7 +121,7 @@ def test_a_record_read_back_is_checked_like_a_new_one():
 # --------------------------------------------------------------------------- file formats as records
 @pytest.fixture(scope="module")
 def model_config():
-    from npuq.models.tiny import tiny_decoder
+    from npuq.testing.tiny import tiny_decoder
 
     return json.loads(json.dumps(tiny_decoder("llama")[1].config.to_dict()))
 

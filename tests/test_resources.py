@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from npuq.errors import NpuqError
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.resources import (
     USABLE_FRACTION,
     available_memory,

@@ -3,18 +3,29 @@
 Each subcommand parses its flags, calls one function of the library, prints a human summary
 and returns a JSON-able dict; ``--json FILE`` (or ``--json -`` for stdout) writes that dict.
 User errors (:class:`npuq.errors.NpuqError`) print one line and exit with status 2;
-``--debug`` shows the traceback instead.
+``--debug`` shows the traceback instead. Each subcommand imports the modules that load torch
+when it runs, so ``npuq --help`` and a usage error never load it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
+import os
 import signal
 import sys
+import time
+from dataclasses import replace
 from typing import Any, Callable
 
+from npuq.data import load_corpus
+from npuq.data.corpora import replaced_characters
 from npuq.errors import NpuqError
+from npuq.fsio import write_json
+from npuq.quant.recipe import RECIPES, ROTATE_CHOICES
+from npuq.quant.schemes import SCHEMES
+from npuq.records import to_json
 
 
 def _whole_number(text: str, low: int) -> int:
@@ -66,8 +77,6 @@ def _stay_offline(environ: Any = None) -> None:
     """No network at run time: the Hugging Face libraries read these once, when first imported,
     so this runs before any of them is. A user who sets HF_HUB_OFFLINE (e.g. to 0, to fill the
     datasets cache once) decides for all three."""
-    import os
-
     environ = os.environ if environ is None else environ
     value = environ.get("HF_HUB_OFFLINE", "1")
     for name in OFFLINE_VARIABLES:
@@ -114,6 +123,7 @@ def _add_device(p: argparse.ArgumentParser, runs: str) -> None:
 def _context_of(args: argparse.Namespace) -> Any:
     """The ExecutionContext of ``--device`` and ``--num-threads``, checked before any work; ONNX
     graphs run on the CPU side (ONNX Runtime places them by --provider)."""
+    # loaded on use (torch): --help stays fast
     from npuq.runtime.context import ExecutionContext
 
     device = getattr(args, "device", "cpu")
@@ -137,6 +147,7 @@ def _check_fits(context: int, prefill_len: int | None = None, max_new_tokens: in
 
 def _quantize_options(args: argparse.Namespace) -> Any:
     """The QuantizeOptions of ``_add_quantize_options``' flags (checked on construction)."""
+    # loaded on use (torch): --help stays fast
     from npuq.quantize.stage import QuantizeOptions
 
     return QuantizeOptions(
@@ -157,6 +168,7 @@ def _parts(text: str) -> int | None:
 
 def _export_options(args: argparse.Namespace) -> Any:
     """The ExportOptions of ``_add_target_options``' flags (checked on construction)."""
+    # loaded on use (torch): --help stays fast
     from npuq.lower.export import ExportOptions
 
     return ExportOptions(qnn_version=args.qnn_version, htp_arch=args.htp_arch, soc=args.soc,
@@ -166,9 +178,6 @@ def _export_options(args: argparse.Namespace) -> Any:
 
 def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     """What to quantize and how, shared by ``quantize`` and ``run``."""
-    from npuq.quant.recipe import RECIPES, ROTATE_CHOICES
-    from npuq.quant.schemes import SCHEMES
-
     p.add_argument("--scheme", choices=list(SCHEMES), metavar="S",
                    help=f"default scheme, one of {', '.join(SCHEMES)} (default: the recipe's; the default recipe's is 16a8w)")
     p.add_argument("--recipe", metavar="R",
@@ -260,6 +269,7 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
 
 # --------------------------------------------------------------------------- info
 def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
+    # loaded on use (torch): --help stays fast
     from npuq.models import model_info
 
     result = model_info(args.model)  # config and tensor shapes: no weight is read
@@ -270,13 +280,14 @@ def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
+    # loaded on use (torch): --help stays fast
     from npuq.models import load_model
-    from npuq.records import to_json
     from npuq.runtime.generate import generate
 
     ctx = _context_of(args)
     graphs, context = None, args.context
     if args.artifact or args.onnx:
+        # loaded on use (torch): --help stays fast
         from npuq.pipeline.programs import open_programs
 
         programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(ctx.device)
@@ -297,13 +308,9 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- eval
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
-    from dataclasses import replace
-
-    from npuq.data import load_corpus
-    from npuq.data.corpora import replaced_characters
+    # loaded on use (torch): --help stays fast
     from npuq.eval.perplexity import EvalOptions, check_context, evaluate_model
     from npuq.models import DEFAULT_MAX_CONTEXT, load_model
-    from npuq.records import to_json
 
     if args.tasks:
         return _eval_tasks(args)
@@ -319,6 +326,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     ctx = _context_of(args)  # cheap checks before the model loads
     documents = load_corpus(options.corpus, options.split)
     if args.artifact or args.onnx:  # prefill chunks and decode steps from an empty cache, as on the device
+        # loaded on use (torch): --help stays fast
         from npuq.runtime.runner import forward_logits
 
         programs, loaded = _open_graphs(args, ctx, options.context)
@@ -336,6 +344,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         if result.reference is not None:
             result = replace(result, reference={**reference, **result.reference})
     elif args.stream:  # whole windows, one block resident at a time (docs/design.md §13)
+        # loaded on use (torch): --help stays fast
         from npuq.models import open_streamed
         from npuq.threads import cpu_ceiling
 
@@ -368,6 +377,7 @@ def _open_graphs(args: argparse.Namespace, ctx: Any, context: int | None = None)
     """(the --artifact / --onnx graphs on ctx's device, the float model they were made from) with
     the prefill phase's threads planned on that model; a --context beyond the graphs' is refused
     before the model loads."""
+    # loaded on use (torch): --help stays fast
     from npuq.models import load_model
     from npuq.pipeline.programs import open_programs
 
@@ -384,8 +394,7 @@ def _open_graphs(args: argparse.Namespace, ctx: Any, context: int | None = None)
 def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
     """``npuq eval --tasks``: lm-evaluation-harness's tasks on the float model, an artifact's
     programs or an export's graphs (npuq.eval.lm_eval_adapter)."""
-    import time
-
+    # loaded on use (torch): --help stays fast
     from npuq.eval.perplexity import check_context
     from npuq.models import DEFAULT_MAX_CONTEXT, load_model
     from npuq.runtime.runner import forward_logits
@@ -396,6 +405,7 @@ def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
     if args.kl_divergence:
         raise NpuqError("--kl-divergence scores a corpus; --tasks scores tasks: run them as two commands")
     try:
+        # loaded on use (torch): --help stays fast
         from npuq.eval.lm_eval_adapter import NpuqLM, run_tasks, task_manager
     except ImportError as exc:
         raise NpuqError(f"--tasks needs lm-evaluation-harness ({exc}): pip install 'npuq[tasks]' "
@@ -432,6 +442,7 @@ def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- tune-threads
 def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
+    # loaded on use (torch): --help stays fast
     from npuq.models import load_model
     from npuq.threads import cpu_limits, tune_cached
     from npuq.runtime.workloads import PHASES, phase_workload
@@ -457,6 +468,7 @@ def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
         speedup = "-" if r.speedup_vs_default is None else f"{r.speedup_vs_default:.2f}x"
         print(f"{r.phase:<10}{r.best:>5}{ms:>10}{r.default_threads:>9}{speedup:>9}{r.tuning_seconds:>10.1f}  {r.cached}")
     if args.plot:
+        # loaded on use (torch): --help stays fast
         from npuq.threads.plot import plot_results
 
         plot_results(results, args.plot, title=f"{args.model}, context {args.context}, ceiling {limits.ceiling}")
@@ -474,8 +486,8 @@ def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- quantize
 def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
+    # loaded on use (torch): --help stays fast
     from npuq.quantize.stage import quantize_to_artifact
-    from npuq.records import to_json
 
     options = _quantize_options(args)
     result = quantize_to_artifact(options, args.out, _context_of(args), force=args.force)
@@ -487,8 +499,8 @@ def cmd_quantize(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- export
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
+    # loaded on use (torch): --help stays fast
     from npuq.lower.export import export_artifact
-    from npuq.records import to_json
 
     result = export_artifact(args.artifact, args.out, _export_options(args), force=args.force)
     compiled = ", decode_ctx.onnx, prefill_ctx.onnx + .bin" if result.compile_seconds is not None else ""
@@ -501,6 +513,7 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- run
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
+    # loaded on use (torch): --help stays fast
     from npuq.pipeline.job import PROMPTS, RunOptions, run_job
 
     options = RunOptions(
@@ -700,8 +713,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_third_party_imports() -> None:
     """torchao warns at import about its CUDA-only kernels, torch about a deprecated Enum
     registration inside torchao: noise on a CPU machine, shown again with --debug."""
-    import logging
-
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -721,8 +732,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result = func(args)
         if args.json:
-            from npuq.fsio import write_json
-
             write_json(args.json, result)
     except NpuqError as exc:
         if args.debug:

@@ -18,9 +18,16 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
+import signal
+import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from npuq.errors import NpuqError
 
 
 @contextlib.contextmanager
@@ -73,9 +80,6 @@ def remove_stale(paths: Iterable[Path], older_than: float) -> None:
     """Remove the files and folders among ``paths`` last modified over ``older_than`` seconds
     ago: the temporaries of work killed before it could clean up (SIGKILL, power loss). A
     younger one may be another process's work in progress and is left. Never raises."""
-    import shutil
-    import time
-
     for path in paths:
         try:
             if time.time() - path.stat().st_mtime > older_than:
@@ -100,8 +104,6 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     An existing ``path`` (callers decide whether replacing it is allowed) stays whole until the
     new folder is in place, and comes back if the final rename fails.
     """
-    import shutil
-
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
@@ -138,9 +140,6 @@ def interrupts_deferred() -> Iterator[None]:
     For the few renames that swap a finished folder into place: each is atomic, the sequence
     is not. Signal handlers can only be changed on the main thread; elsewhere this does nothing.
     """
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -209,11 +208,8 @@ def folder_lock(path: str | os.PathLike, what: str, wait: float = 0.0) -> Iterat
     one line on stderr says so and the lock is awaited that many seconds. Released when the
     block ends, by an exception or Ctrl-C included. ``what`` starts the message ("npuq run").
     """
-    import sys
-
+    # filelock (40-90 ms) loads on use: every command imports fsio, few take a lock
     import filelock
-
-    from npuq.errors import NpuqError
 
     folder = Path(path)
     lock_file = lock_path(folder)
@@ -255,8 +251,6 @@ def read_json(path: str | os.PathLike, what: str, fix: str) -> Any:
     """The JSON value in ``path``; :class:`NpuqError` naming ``what`` and ``fix`` when the file is
     missing, unreadable, not UTF-8 or not JSON (including numbers too long for Python to convert
     and nesting deeper than its recursion limit)."""
-    from npuq.errors import NpuqError
-
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -278,8 +272,6 @@ def resolve_inside(folder: str | os.PathLike, name: Any, what: str) -> Path:
     A manifest is data someone may hand over with a model; it must not make npuq read (or
     load as a program) a file elsewhere on the machine.
     """
-    from npuq.errors import NpuqError
-
     if not isinstance(name, str) or not name or "\x00" in name:
         raise NpuqError(f"{what}: file entry {name!r} is not a file name; write the folder again")
     relative = Path(name)

@@ -16,6 +16,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from npuq.errors import NpuqError
 
 BYTES_PER_ELEMENT = 4  # calibration runs the float32 graph
@@ -154,13 +156,12 @@ def available_memory(device=None) -> int:
     memory, else the system's available memory (psutil, else /proc/meminfo ``MemAvailable``)
     capped by the cgroup's headroom. Unknown: no limit."""
     if device is not None and str(device).startswith("cuda"):
+        # torch only for a CUDA device: this module loads no heavy library
         import torch
 
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
     candidates = []
     try:
-        import psutil
-
         candidates.append(int(psutil.virtual_memory().available))
     except ImportError:
         try:

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
-from npuq.calibrate.transfer import copy_observer_state
+from npuq.testing.transfer import copy_observer_state
 from npuq.calibrate.split import split_windows
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.quant.graph import MATMUL, SOFTMAX
 from npuq.quant.observers import is_observer
 from npuq.quantize.pt2e import prepare_graph

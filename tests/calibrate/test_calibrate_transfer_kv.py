@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from npuq.calibrate.encodings import kv_io_qparams
-from npuq.calibrate.transfer import GraphMismatch, copy_observer_state
+from npuq.testing.transfer import GraphMismatch, copy_observer_state
 from torchao.quantization.pt2e import DerivedObserverOrFakeQuantize
 
-from npuq.models.tiny import TINY_CONFIGS, tiny_decoder
+from npuq.testing.tiny import TINY_CONFIGS, tiny_decoder
 from npuq.quantize.pt2e import prepare_graph, quantize_model
 from npuq.quant.recipe import RECIPES, Recipe
 from npuq.runtime.runner import step_inputs

@@ -6,7 +6,7 @@ import torch
 from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
 from npuq.calibrate.split import split_windows
 from npuq.errors import NpuqError
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.quant.observers import NonFiniteTensor, is_observer
 from npuq.quantize.pt2e import prepare_graph, quantize_model
 from npuq.quant.recipe import RECIPES

@@ -9,7 +9,7 @@ import torch
 from npuq.cli import main
 from npuq.device import resolve_device
 from npuq.errors import NpuqError
-from npuq.models.tiny import tiny_hf_model
+from npuq.testing.tiny import tiny_hf_model
 from npuq.quantize.artifact import load_artifact
 
 CONTEXT = 16

@@ -22,7 +22,7 @@ import torch
 from npuq.data.corpora import Document
 from npuq.eval.perplexity import evaluate_model
 from npuq.models import LoadedModel
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.optimize.driver import WeightSpec, optimize_weights
 from npuq.optimize.gptq import gptq_codes
 from npuq.optimize.seqmse import minmax_scale

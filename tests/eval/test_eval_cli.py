@@ -12,7 +12,7 @@ def tiny_model(monkeypatch, tokenizer):
     """`load_model` replaced by a tiny random llama (vocab 256, max_position_embeddings 256)."""
     import npuq.models
     from npuq.models import LoadedModel
-    from npuq.models.tiny import tiny_decoder
+    from npuq.testing.tiny import tiny_decoder
 
     hf, model = tiny_decoder("llama", seed=0, max_context=64)
     assert len(tokenizer) <= model.config.vocab_size

@@ -11,7 +11,7 @@ from npuq import cli
 def test_eval_reports_replaced_bytes(monkeypatch, tokenizer, tmp_path):
     import npuq.models
     from npuq.models import LoadedModel
-    from npuq.models.tiny import tiny_decoder
+    from npuq.testing.tiny import tiny_decoder
 
     hf, model = tiny_decoder("llama", seed=0, max_context=64)
     monkeypatch.setattr(npuq.models, "load_model",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from npuq.eval.layers import layer_errors, sqnr_db, worst
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.quantize.artifact import load_artifact, save_artifact
 from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import RECIPES

@@ -33,7 +33,7 @@ class Request:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, tokenizer):
-    from npuq.models.tiny import tiny_hf_model
+    from npuq.testing.tiny import tiny_hf_model
 
     root = tmp_path_factory.mktemp("tasks")
     tiny_hf_model("llama", seed=11).save_pretrained(root / "model", safe_serialization=True)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from npuq.calibrate.encodings import read_encodings
 from npuq.errors import NpuqError
-from npuq.lower.export import read_manifest
+from npuq.lower.manifest import read_manifest
 from npuq.quantize.artifact import load_program, read_artifact
 from npuq.records import to_json
 

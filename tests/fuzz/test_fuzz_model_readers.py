@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from npuq.errors import NpuqError
 from npuq.models import load_model
-from npuq.models.tiny import tiny_hf_model
+from npuq.testing.tiny import tiny_hf_model
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
 from gguf_writer import write_tiny_llama_gguf  # noqa: E402
@@ -103,7 +103,7 @@ def test_huge_sizes_in_metadata_are_refused_before_allocating(valid_files, tmp_p
     """Found by the fuzzer: one flipped header byte made the config claim 34 GB of weights."""
     import gguf
 
-    from npuq.models.tiny import tiny_hf_model
+    from npuq.testing.tiny import tiny_hf_model
 
     model = tiny_hf_model("llama")
     path = tmp_path / "huge.gguf"

@@ -9,10 +9,10 @@ import pytest
 from npuq.calibrate.encodings import read_encodings
 from npuq.data.corpora import load_corpus
 from npuq.errors import ModelLoadError, NpuqError
-from npuq.lower.export import read_manifest
+from npuq.lower.manifest import read_manifest
 from npuq.models import load_model
 from npuq.models.config import ModelConfig
-from npuq.models.tiny import tiny_decoder, tiny_hf_model
+from npuq.testing.tiny import tiny_decoder, tiny_hf_model
 from npuq.quantize.artifact import load_artifact, read_artifact
 from npuq.quant.recipe import load_recipe
 

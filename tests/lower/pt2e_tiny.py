@@ -138,7 +138,7 @@ def converted_tiny(name: str = "llama", mode: str = "decode", context: int = 16,
     backends on these same inputs: outside the calibrated ranges values saturate, and the
     HTP and the CPU provider saturate intermediate results differently.
     """
-    from npuq.models.tiny import tiny_decoder
+    from npuq.testing.tiny import tiny_decoder
     from npuq.runtime.runner import example_inputs
 
     _, model = tiny_decoder(name, seed=seed, max_context=context)

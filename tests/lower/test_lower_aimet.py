@@ -17,7 +17,8 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from npuq.lower.aimet import aimet_import_graph, loadable_encodings
-from npuq.lower.export import ExportOptions, export_artifact, read_manifest
+from npuq.lower.export import ExportOptions, export_artifact
+from npuq.lower.manifest import read_manifest
 from npuq.lower.ort import cpu_session, htp_session, qnn_available
 from test_lower_deployable import _feeds
 from test_lower_export import _quantize
@@ -250,7 +251,7 @@ def windowed(tmp_path_factory):
     import torch
 
     from npuq.cli import main
-    from npuq.models.tiny import save_tiny_hf_folder
+    from npuq.testing.tiny import save_tiny_hf_folder
 
     root = tmp_path_factory.mktemp("windowed")
     model = save_tiny_hf_folder(root / "model", "llama", seed=0, words=200)

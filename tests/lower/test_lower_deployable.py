@@ -13,7 +13,8 @@ from onnx import TensorProto, numpy_helper
 from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.lower.aimet import merge_encodings
-from npuq.lower.export import ExportOptions, export_artifact, read_manifest
+from npuq.lower.export import ExportOptions, export_artifact
+from npuq.lower.manifest import read_manifest
 from npuq.lower.ort import context_use, htp_session, load_export, qnn_available
 from test_lower_export import _quantize
 

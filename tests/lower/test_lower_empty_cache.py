@@ -14,7 +14,7 @@ import torch
 
 from npuq.lower.export import ExportOptions, export_artifact
 from npuq.lower.ort import load_export
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.quant.recipe import RECIPES
 from npuq.quantize.artifact import load_artifact, save_artifact
 from npuq.quantize.pt2e import quantize_model

@@ -20,7 +20,7 @@ CONTEXT, PREFILL = 16, 4
 
 
 def _quantize(tmp_path_factory, name, scheme, embedding=None, kv_bits=None):
-    from npuq.models.tiny import tiny_decoder
+    from npuq.testing.tiny import tiny_decoder
     from npuq.quantize.artifact import save_artifact
     from npuq.quantize.pt2e import quantize_model
     from npuq.quant.recipe import load_recipe

@@ -15,9 +15,10 @@ from windowed_driver import WindowedDriver
 from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.lower import genai
-from npuq.lower.export import ExportOptions, export_artifact, read_manifest
+from npuq.lower.export import ExportOptions, export_artifact
+from npuq.lower.manifest import read_manifest
 from npuq.lower.ort import cpu_session, load_export, qnn_available
-from npuq.models.tiny import save_tiny_hf_folder
+from npuq.testing.tiny import save_tiny_hf_folder
 from npuq.runtime.runner import StaticRunner
 
 INSTALL = "onnxruntime-genai is not installed: pip install 'npuq[genai]' (onnxruntime-genai==0.18.0)"

@@ -36,7 +36,7 @@ def test_the_folder_carries_the_chat_template(folder):
     import onnxruntime_genai as og
     from transformers import AutoTokenizer
 
-    from npuq.lower.export import read_manifest
+    from npuq.lower.manifest import read_manifest
 
     record = read_manifest(folder).genai
     assert record.chat_template == "chat_template.jinja" and (folder / record.chat_template).is_file()

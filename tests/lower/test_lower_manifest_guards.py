@@ -9,7 +9,7 @@ import pytest
 
 from npuq.cli import main
 from npuq.errors import NpuqError
-from npuq.lower.export import read_manifest
+from npuq.lower.manifest import read_manifest
 from npuq.lower.ort import load_export
 
 

@@ -4,7 +4,9 @@ import pytest
 
 from npuq.errors import NpuqError
 from npuq.lower import registry
-from npuq.lower.registry import LowerOptions, Unsupported, builders_for, register, select
+from npuq.lower.builders import builders_for, known_ops, select
+from npuq.lower.ir import Unsupported
+from npuq.lower.registry import LowerOptions, register
 from npuq.lower.target import QnnVersion, Target, parse_version
 
 
@@ -66,7 +68,6 @@ def test_options_map_embedding_choice():
 
 def test_newest_supported_builder_wins(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", {})
-    monkeypatch.setattr(registry, "_ensure_loaded", lambda: None)
 
     for sdk in [(0, 0, 0), (2, 40, 0), (2, 50, 0), (3, 1, 0)]:
         register("test.op", min_sdk=sdk, variant=f"v{sdk[0]}.{sdk[1]}")(lambda view, ctx: None)
@@ -78,13 +79,12 @@ def test_newest_supported_builder_wins(monkeypatch):
 
 def test_requirement_that_nothing_meets(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", {})
-    monkeypatch.setattr(registry, "_ensure_loaded", lambda: None)
     register("test.new", min_sdk=(2, 60, 0), min_arch=79)(lambda view, ctx: None)
     with pytest.raises(Unsupported, match=r"needs QNN >= 2.60.0 and HTP >= v79; the target is QNN 2.51.0"):
         select("test.new", Target(QnnVersion(2, 51, 0), "x", 73))
 
 
 def test_every_builder_is_registered_once_per_requirement():
-    for op in registry.known_ops():
+    for op in known_ops():
         keys = [(s.min_sdk, s.min_arch, s.variant) for s in builders_for(op)]
         assert len(keys) == len(set(keys)), op

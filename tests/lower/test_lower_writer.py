@@ -242,7 +242,7 @@ def test_graph_io(tiny_programs):
 
 def test_exported_program_and_float_graph():
     """A float (unquantized) ExportedProgram lowers too, with parameters reached by dotted paths."""
-    from npuq.models.tiny import tiny_decoder
+    from npuq.testing.tiny import tiny_decoder
     from npuq.runtime.runner import example_inputs, step_inputs
 
     _, model = tiny_decoder("llama", max_context=16)

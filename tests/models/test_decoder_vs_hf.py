@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from npuq.models.tiny import TINY_CONFIGS, tiny_decoder
+from npuq.testing.tiny import TINY_CONFIGS, tiny_decoder
 from npuq.runtime.runner import StaticRunner, forward_logits
 
 ARCHS = sorted(TINY_CONFIGS)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from npuq.errors import ModelLoadError
 from npuq.models import gguf_cache, load_model
-from npuq.models.tiny import tiny_hf_model
+from npuq.testing.tiny import tiny_hf_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gguf_writer import write_tiny_llama_gguf  # noqa: E402
@@ -263,13 +263,13 @@ def test_a_gguf_with_a_non_finite_tensor_is_refused_and_not_cached(cache, tmp_pa
 
 
 def test_an_interrupted_conversion_leaves_nothing(cache, gguf, monkeypatch):
-    import npuq.models.weights
+    import npuq.models.gguf_cache
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(npuq.models.weights, "write_safetensors", interrupted)
+        m.setattr(npuq.models.gguf_cache, "write_safetensors", interrupted)
         with pytest.raises(KeyboardInterrupt):
             load_model(str(gguf))
     assert _entries(cache) == [] and [p.name for p in cache.iterdir() if p.name.startswith(".")] == []

@@ -6,7 +6,7 @@ import pytest
 from npuq.cli import main
 from npuq.errors import ModelLoadError
 from npuq.models import load_model
-from npuq.models.tiny import save_tiny_hf_folder
+from npuq.testing.tiny import save_tiny_hf_folder
 
 
 def _folder(tmp_path, n_words):

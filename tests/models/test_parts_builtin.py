@@ -13,7 +13,7 @@ from npuq.cli import main
 from npuq.errors import ModelLoadError
 from npuq.models import sources
 from npuq.models.sources import BUILTINS, PartsBuiltin, builtin_path
-from npuq.models.tiny import tiny_hf_model
+from npuq.testing.tiny import tiny_hf_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gguf_writer import write_tiny_llama_gguf  # noqa: E402

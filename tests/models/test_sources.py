@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from npuq.cli import main
 from npuq.errors import ModelLoadError, UnsupportedArchitecture
 from npuq.models import load_model
-from npuq.models.tiny import tiny_hf_model
+from npuq.testing.tiny import tiny_hf_model
 from npuq.runtime.runner import forward_logits
 
 

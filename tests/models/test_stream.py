@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from npuq.errors import ModelLoadError, NpuqError
 from npuq.models import load_model, model_info, open_streamed
 from npuq.models.stream import StreamedDecoder
-from npuq.models.tiny import TINY_CONFIGS, save_tiny_hf_folder, tiny_hf_model
+from npuq.testing.tiny import TINY_CONFIGS, save_tiny_hf_folder, tiny_hf_model
 from npuq.models.weights import Checkpoint
 from npuq.runtime.runner import forward_logits
 
@@ -115,11 +115,11 @@ def test_a_non_finite_block_is_refused_when_it_is_read(tmp_path):
 
 
 def test_a_model_larger_than_memory_is_refused_before_loading(folder, monkeypatch):
-    import npuq.resources
+    import npuq.models
 
     _, folder = folder
 
-    monkeypatch.setattr(npuq.resources, "available_memory", lambda device=None: 1 << 10)
+    monkeypatch.setattr(npuq.models, "available_memory", lambda device=None: 1 << 10)  # where load_model reads it
     with pytest.raises(NpuqError, match=r"needs .* GiB as float32 but only 0.00 GiB .*--stream"):
         load_model(str(folder))
     assert open_streamed(str(folder)).model is not None  # the streamed model needs no room for the weights

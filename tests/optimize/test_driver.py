@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.optimize.driver import (
     WeightSpec,
     collect_grams,

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from npuq.models.decoder import RMSNorm
-from npuq.models.tiny import TINY_CONFIGS, tiny_decoder
+from npuq.testing.tiny import TINY_CONFIGS, tiny_decoder
 from npuq.optimize.rotate import hadamard_matrix, rotate_model, rotation_matrix
 from npuq.models import decoder
 from npuq.runtime.runner import StaticRunner, forward_logits, step_inputs

@@ -4,7 +4,7 @@ tests elsewhere import their own conftest by name)."""
 import pytest
 import torch
 
-from npuq.models.tiny import save_tiny_hf_folder
+from npuq.testing.tiny import save_tiny_hf_folder
 
 
 @pytest.fixture(scope="module")

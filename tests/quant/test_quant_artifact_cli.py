@@ -10,7 +10,7 @@ import torch
 from npuq.calibrate.encodings import kv_io_qparams
 from npuq.cli import main
 from npuq.errors import NpuqError
-from npuq.models.tiny import save_tiny_hf_folder, tiny_decoder
+from npuq.testing.tiny import save_tiny_hf_folder, tiny_decoder
 from npuq.quantize.artifact import ModelInfo, load_artifact, save_artifact
 from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import RECIPES

@@ -15,7 +15,7 @@ import torch
 
 from npuq.calibrate.split import split_windows
 from npuq.eval.layers import LINEAR, layer_errors, module_path
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.optimize.rotate import rotate_model
 from npuq.quant.bias import INT32_MAX
 from npuq.quant.recipe import load_recipe

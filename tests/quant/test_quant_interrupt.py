@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from npuq.models.tiny import tiny_hf_model
+from npuq.testing.tiny import tiny_hf_model
 
 # Runs the real CLI; at the chosen point it says READY on stdout and waits for the test's signal.
 DRIVER = """

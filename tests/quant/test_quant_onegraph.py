@@ -21,9 +21,9 @@ from npuq.calibrate.encodings import collect_encodings, encodings_json, kv_io_qp
 from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
 from npuq.calibrate.graphs import export_graph, export_model_graph, is_shape_node
 from npuq.calibrate.split import split_windows
-from npuq.calibrate.transfer import copy_observer_state
+from npuq.testing.transfer import copy_observer_state
 from npuq.models.decoder import StaticDecoder
-from npuq.models.tiny import TINY_CONFIGS, tiny_decoder
+from npuq.testing.tiny import TINY_CONFIGS, tiny_decoder
 from npuq.quantize import passes, pt2e
 from npuq.quantize.artifact import load_artifact, save_artifact
 from npuq.quantize.passes import drop_unused_tensors

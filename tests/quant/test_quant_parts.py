@@ -18,7 +18,7 @@ from npuq.calibrate.graphs import export_model_graph, meta_model_graph, part_gra
 from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.models import load_model, open_streamed
-from npuq.models.tiny import TINY_CONFIGS, save_tiny_hf_folder, tiny_decoder
+from npuq.testing.tiny import TINY_CONFIGS, save_tiny_hf_folder, tiny_decoder
 from npuq.quant.recipe import load_recipe
 from npuq.quantize.artifact import PARTS_FORMAT, load_artifact, read_artifact, save_artifact, weights_sha256, \
     start_weights_sha256

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.quant.graph import in_rmsnorm
 from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import Recipe

@@ -8,7 +8,7 @@ import sys
 
 SCRIPT = r"""
 import gc, weakref, torch
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.quant.recipe import RECIPES
 from npuq.quantize.pt2e import quantize_model
 

@@ -5,7 +5,7 @@ import torch
 
 from npuq.calibrate.split import split_windows
 from npuq.errors import NpuqError
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import load_recipe
 from npuq.optimize.recovery import optimize_for_recipe

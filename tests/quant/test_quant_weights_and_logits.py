@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.quant.graph import module_path
 from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import Recipe

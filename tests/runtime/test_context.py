@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from npuq.errors import NpuqError
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.runtime.context import ExecutionContext
 from npuq.threads import TuneSettings
 

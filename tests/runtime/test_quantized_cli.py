@@ -6,7 +6,7 @@ import math
 import pytest
 
 from npuq.cli import main
-from npuq.models.tiny import tiny_hf_model
+from npuq.testing.tiny import tiny_hf_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. Windows are disjoint; every token is scored once. " * 3
 

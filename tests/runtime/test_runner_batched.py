@@ -4,7 +4,7 @@ batch 4): each row takes the calls it takes alone, and only GEMM rounding tells 
 import pytest
 import torch
 
-from npuq.models.tiny import tiny_decoder
+from npuq.testing.tiny import tiny_decoder
 from npuq.quant.recipe import load_recipe
 from npuq.quantize.artifact import load_artifact, read_artifact
 from npuq.quantize.pt2e import SCORING_BATCH, quantize_model

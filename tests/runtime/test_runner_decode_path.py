@@ -10,7 +10,7 @@ programs must still get the static layout, and their graphs must not change.
 import pytest
 import torch
 
-from npuq.models.tiny import TINY_CONFIGS, tiny_decoder
+from npuq.testing.tiny import TINY_CONFIGS, tiny_decoder
 from npuq.runtime.runner import StaticRunner, example_inputs
 
 ARCHS = sorted(TINY_CONFIGS)

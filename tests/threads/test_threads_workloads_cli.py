@@ -12,7 +12,7 @@ from npuq.runtime.workloads import PHASES, phase_workload
 
 @pytest.fixture(scope="module")
 def tiny():
-    from npuq.models.tiny import tiny_decoder
+    from npuq.testing.tiny import tiny_decoder
 
     return tiny_decoder("llama", seed=0, max_context=64)[1]
 

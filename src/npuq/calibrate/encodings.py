@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from json.encoder import encode_basestring_ascii as string
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
 
 from npuq.errors import NpuqError
+from npuq.fsio import read_json
 from npuq.quant import graph as g
 from npuq.quant.observers import LpbqPerChannelObserver, is_observer
 
@@ -109,8 +111,6 @@ def encodings_json(encodings: dict[str, Any]) -> str:
     ``NaN``/``Infinity`` as ``json`` writes them), the same separators and the same escaping of
     strings (``json``'s own ``ensure_ascii`` encoder); lists of numbers go through ``json``'s C
     encoder (the spellings above) and are then split one number a line."""
-    from json.encoder import encode_basestring_ascii as string
-
     def scalar(v: Any) -> str:
         if v is True:
             return "true"
@@ -158,8 +158,6 @@ def read_encodings(path: str | os.PathLike) -> dict[str, Any]:
     """encodings.json as :func:`collect_encodings` writes it, checked entry by entry: names,
     dtype and bit width, encoding type, and per-entry lists of finite scales (> 0), integer
     offsets and finite min/max of one common length. :class:`NpuqError` names the first problem."""
-    from npuq.fsio import read_json
-
     where, again = f"{path}", "quantize the model again"
     data = read_json(path, "encodings", again)
     if not isinstance(data, dict) or not isinstance(data.get("version"), str):

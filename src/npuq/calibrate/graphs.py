@@ -18,6 +18,8 @@ as the reference the one-graph flow must reproduce bit for bit.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import re
 from typing import Any
@@ -25,7 +27,9 @@ from typing import Any
 import torch
 from torch.export import Dim
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.graph import CodeGen, _Namespace
 
+from npuq.models.decoder import StaticDecoder
 from npuq.quant import graph as g
 from npuq.runtime.runner import example_inputs, step_inputs
 
@@ -116,9 +120,6 @@ def template_layers(model: torch.nn.Module) -> list[int]:
 def _with_layers(model: torch.nn.Module, picks: list[int]) -> torch.nn.Module:
     """A shallow copy of ``model`` whose layers are ``picks`` of its own (the same modules and
     weights) and whose config says so."""
-    import copy
-    import dataclasses
-
     cfg = model.config
     template = copy.copy(model)
     template._modules = dict(model._modules)
@@ -154,8 +155,6 @@ def stitch_layers(template: GraphModule, model: torch.nn.Module, picks: list[int
     made once, as a trace makes them. Nodes come in the order a trace of the whole model gives
     them (inputs, weights layer by layer, then the ops), so :func:`static_names` names them
     alike. Raises :class:`StitchError` when the template is not laid out so."""
-    from torch.fx.graph import CodeGen
-
     cfg = model.config
     L, k = cfg.num_layers, len(picks)
     kinds = [layer_kind(model, i) for i in picks]
@@ -334,8 +333,6 @@ def static_names(gm: GraphModule) -> GraphModule:
     views of the input). ``tests/quant/test_quant_onegraph.py`` checks, for every tiny family,
     that the result has exactly the static decode graph's node names and ops.
     """
-    from torch.fx.graph import _Namespace
-
     graph = gm.graph
     aliases: set[Node] = set()
     for node in list(graph.nodes):
@@ -376,8 +373,6 @@ def calibration_view(prepared: GraphModule) -> GraphModule:
     records it in the observers the decode and prefill programs are converted from. The cache
     inputs' observers are derived from the new entries' (they observe nothing). Inputs are
     positional: tokens, mask, positions, K caches, V caches."""
-    from torch.fx.graph import CodeGen
-
     view = Graph()
     env: dict[Node, Node] = {}
     for node in prepared.graph.nodes:
@@ -403,8 +398,6 @@ def meta_model_graph(cfg: Any, max_context: int) -> GraphModule:
     its nodes). Its ``get_attr`` nodes name the weights; :func:`part_graph` cuts a part out of it
     and binds that part's real tensors. Tensors the model makes while it runs (``device=``
     arguments) are made on the CPU, where the parts run."""
-    from npuq.models.decoder import StaticDecoder
-
     with torch.device("meta"):
         skeleton = StaticDecoder(cfg, max_context)
     gm = export_model_graph(skeleton.to("meta"), device="meta")
@@ -441,8 +434,6 @@ def part_graph(whole: GraphModule, first: int, end: int, weights: torch.nn.Modul
     least this part's real tensors), any other constant from ``whole``. A size the part's ops
     read off a value it no longer has (the batch of the token ids) is read off an input of the
     part with the same symbolic size."""
-    from torch.fx.graph import CodeGen
-
     nodes = [n for n in whole.graph.nodes if not is_input_guard(n)]
     placeholders = [n for n in nodes if n.op == "placeholder"]
     L = (len(placeholders) - 3) // 2

@@ -28,29 +28,20 @@ import hashlib
 import itertools
 import json
 import re
-from dataclasses import dataclass, replace
+import warnings
+from dataclasses import replace
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Any
 
+from npuq.data.document import Document
+from npuq.data.prose import prose_documents
 from npuq.errors import NpuqError
 
 SPLITS = ("eval", "calib")
 CORPUS_HELP = ("builtin, file:PATH (.txt or .jsonl with a 'text' field per line), wikitext2, prose (English prose, "
                "downloaded on first use), or a mix of them joined by '+' (e.g. builtin+prose)")
 _PART = re.compile(r"\+(?=(?:builtin|wikitext2|prose)(?:$|\+)|file:)")  # a '+' that starts another corpus
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str
-    page: str  # the original text: words and bytes are counted on it
-    text: str | None = None  # what the model scores, where it differs from page (detokenized wikitext)
-    replaced: int = 0  # undecodable byte sequences of the source read as U+FFFD (see decode_utf8)
-    part: str = ""  # the corpus spec it came from, in a mix ("A+B"); "" otherwise
-
-    @property
-    def target(self) -> str:
-        return self.page if self.text is None else self.text
 
 
 def load_corpus(spec: str, split: str = "eval") -> list[Document]:
@@ -70,8 +61,6 @@ def load_corpus(spec: str, split: str = "eval") -> list[Document]:
     elif spec == "wikitext2":
         docs = wikitext2_documents(split)
     elif spec == "prose":
-        from npuq.data.prose import prose_documents
-
         docs = prose_documents(split)
     else:
         raise NpuqError(f"unknown corpus {spec!r}; use {CORPUS_HELP}")
@@ -114,8 +103,6 @@ def builtin_split_of(topic: str) -> str:
 
 
 def builtin_documents(split: str) -> list[Document]:
-    from pydoc_data.topics import topics  # {topic: text}, part of the standard library
-
     return sorted(
         (Document(f"builtin/{name}", text) for name, text in topics.items()
          if builtin_split_of(name) == split and text.strip()),
@@ -146,8 +133,6 @@ def file_documents(path_text: str) -> list[Document]:
     Bytes that are not UTF-8 are read as U+FFFD and counted (``Document.replaced``), with a
     warning, rather than refused: a scraped corpus with a few broken bytes is still usable.
     """
-    import warnings
-
     path = Path(path_text).expanduser()
     if not path_text:
         raise NpuqError("corpus 'file:' names no file: use file:PATH with a .txt or .jsonl file")
@@ -206,6 +191,7 @@ WIKITEXT_SPLITS = {"eval": "test", "calib": "train"}
 
 def wikitext2_documents(split: str) -> list[Document]:
     try:
+        # optional: only the wikitext2 corpus needs datasets
         import datasets
     except ImportError:
         raise NpuqError(

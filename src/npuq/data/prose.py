@@ -40,7 +40,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from npuq.data.corpora import Document
+from npuq import __version__
+from npuq.data.document import Document
 from npuq.errors import NpuqError
 from npuq.fsio import file_sha256, remove_stale, user_cache_dir
 
@@ -171,8 +172,6 @@ def _fetch_sdist(folder: str) -> None:
 
 
 def _open(url: str, accept: str | None = None) -> Any:
-    from npuq import __version__
-
     headers = {"User-Agent": f"npuq/{__version__}"}
     if accept:
         headers["Accept"] = accept

@@ -28,9 +28,12 @@ from __future__ import annotations
 import copy
 from typing import Any, Sequence
 
+import lm_eval
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import make_table
 
 from npuq.data.windows import Window, document_windows, length_batches
 from npuq.errors import NpuqError
@@ -165,9 +168,6 @@ def task_manager(tasks: Sequence[str], include_path: str | None = None) -> Any:
     """lm-eval's TaskManager that knows every name of ``tasks``; NpuqError naming the unknown ones.
     Only the YAML under ``include_path`` is indexed when it has them all (indexing the harness's
     own thousands of task files takes ~20 s)."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
     def missing(manager: Any) -> list[str]:
         return [t for t in tasks if not manager.match_tasks([t])]
 
@@ -189,9 +189,6 @@ def run_tasks(lm: NpuqLM, tasks: Sequence[str], manager: Any, limit: float | Non
     """lm-eval's ``simple_evaluate`` of ``tasks`` (names ``manager`` knows: :func:`task_manager`)
     on ``lm``: {"results", "versions", "n-shot", "n-samples", "higher_is_better"} as the harness
     reports them, "lm_eval_version" and "table" (the harness's markdown table)."""
-    import lm_eval
-    from lm_eval.utils import make_table
-
     results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                       task_manager=manager, log_samples=False)
     return {

@@ -17,13 +17,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
-from npuq.data.corpora import Document
+from npuq.data.corpora import SPLITS
+from npuq.data.document import Document
 from npuq.data.windows import Window, document_windows, length_batches
+from npuq.device import device_of
 from npuq.errors import NpuqError
 from npuq.eval.kld import Divergence
 from npuq.eval.metrics import PerplexityTotals, document_totals, perplexity_metrics
 from npuq.records import optional_key
+from npuq.runtime.runner import forward_logits
+from npuq.threads import scope_or_keep
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # (B, T) int64 → (B, T, V) float
 
@@ -43,8 +48,6 @@ class EvalOptions:
     batch_size: int = 4  # windows of equal length per forward of the float model
 
     def __post_init__(self) -> None:
-        from npuq.data.corpora import SPLITS
-
         check_context(self.context)
         if self.split not in SPLITS:
             raise NpuqError(f"--split {self.split!r}: choose one of {', '.join(SPLITS)}")
@@ -185,8 +188,6 @@ def score_windows(
     ``reference_fn`` and ``divergence`` (given together): the float model's logits of the same
     batch are computed right after the graphs' and each window's scored rows of both go to
     ``divergence.add``, so the two models' logits exist for one batch at a time."""
-    from tqdm import tqdm
-
     if (reference_fn is None) != (divergence is None):
         raise ValueError("give reference_fn and divergence together")
     scores = [0.0] * len(windows)
@@ -267,9 +268,6 @@ def evaluate_model(
     0 leaves torch's count as it is. ``device``: where to score; the model moves there in place
     (None: where it is).
     """
-    from npuq.device import device_of
-    from npuq.runtime.runner import forward_logits
-
     check_context(context, loaded.config.max_position_embeddings)
     model = loaded.model if device is None else loaded.model.to(device)
     device = device_of(model)
@@ -278,7 +276,6 @@ def evaluate_model(
             f"--context {context} exceeds the {model.max_context} positions the model was prepared for: "
             f"load it with load_model(..., max_context={context})"
         )
-    from npuq.threads import scope_or_keep
 
     with scope_or_keep(num_threads) as threads:
         result = evaluate_perplexity(

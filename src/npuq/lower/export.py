@@ -17,9 +17,10 @@
 Both graphs share their KV cache with the runner, so every cache input must carry the
 encoding of the matching new-entries output, in both graphs alike: checked here.
 
-:func:`read_manifest` reads the folder back for the runtime: manifest.json as its record
-(:class:`npuq.lower.manifest.Manifest`, which checks every field a runner uses), then the
-graph files, refused when named outside the folder. The free disk is checked before writing.
+:func:`npuq.lower.manifest.read_manifest` reads the folder back for the runtime: manifest.json
+as its record (:class:`npuq.lower.manifest.Manifest`, which checks every field a runner uses),
+then the graph files, refused when named outside the folder. The free disk is checked before
+writing.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import onnx
+from google.protobuf.message import EncodeError
 
-from npuq.fsio import atomic_dir, file_sha256, folder_lock, read_json, resolve_inside
+from npuq import __version__
+from npuq.fsio import atomic_dir, file_sha256, folder_lock
 from npuq.errors import NpuqError
 from npuq.lower.aimet import FORMAT_VERSION as AIMET_VERSION
 from npuq.lower.aimet import graph_encodings, loadable_encodings, merge_encodings
@@ -48,8 +52,10 @@ from npuq.lower.manifest import (EXPORT_FORMAT, GENAI_CACHES, KV_PREFIXES, Artif
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program, share_model_qdq_params
 from npuq.lower.registry import LowerOptions
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
+from npuq.models import load_tokenizer
 from npuq.quantize.artifact import load_program, program_path, read_artifact
-from npuq.records import from_json, optional_key, to_json
+from npuq.records import optional_key, to_json
+from npuq.resources import check_free_disk
 
 ENCODINGS_FILE = "encodings.json"  # AIMET 1.0.0 (the artifact's npuq-internal encodings.json is another format)
 GRAPH_ENCODINGS_FILE = "{kind}.encodings.json"  # one graph's, as AIMET's QDQ importer names the tensors
@@ -113,8 +119,6 @@ def check_kv_encodings(graphs: dict[str, LoweredGraph]) -> None:
 
 def _serialize(model: onnx.ModelProto) -> bytes | None:
     """The model's bytes when it fits one protobuf file (below PROTOBUF_LIMIT), else None."""
-    from google.protobuf.message import EncodeError
-
     try:
         data = model.SerializeToString()
     except (ValueError, EncodeError):  # protobuf refuses messages of 2 GiB and more
@@ -131,8 +135,6 @@ def _save_external(model: onnx.ModelProto, path: Path) -> list[str]:
 def _write(data: bytes, path: Path) -> str:
     """Write ``data`` (what onnx.save writes for the model) and return its sha256, hashed from
     memory in a second thread while the file is written (both release the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(1) as pool:
         digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
         with open(path, "wb") as f:
@@ -240,8 +242,6 @@ def export_artifact(
 
 
 def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, target: Target | None) -> ExportResult:
-    from npuq import __version__
-
     start = time.perf_counter()
     if out.exists() and not force:
         raise NpuqError(f"{out} already exists: pass --force to replace it, or choose another --out")
@@ -260,8 +260,6 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     if options.genai:  # refused before any lowering: a window the runtime cannot run, no tokenizer
         genai.check_window(config.context, config.programs["prefill"].ar_len if "prefill" in config.programs else 1)
         tokenizer = _tokenizer(config)
-
-    from npuq.resources import check_free_disk
 
     phases = dict.fromkeys(PHASES, 0.0)
     lowered: dict[str, LoweredGraph] = {}  # each graph's I/O and notes, its proto dropped once written
@@ -397,8 +395,6 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
 
 def _tokenizer(config) -> Any:
     """The artifact's model's tokenizer, for --genai (its recorded source when still there, else its name)."""
-    from npuq.models import load_tokenizer
-
     model = config.model
     for spec, is_path in ((model.source if model else None, True), (model.name if model else None, False)):
         if spec and "\x00" not in spec and (not is_path or Path(spec).exists()):
@@ -408,44 +404,3 @@ def _tokenizer(config) -> Any:
                 raise NpuqError(f"--genai needs the model's tokenizer: {exc}") from None
     raise NpuqError("--genai needs the model's tokenizer, but the artifact records no model it can be loaded from "
                     "(quantize again from a model folder, GGUF file or built-in name)")
-
-
-# --------------------------------------------------------------------------- reading it back
-def read_manifest(folder: str | os.PathLike) -> Manifest:
-    """manifest.json of an export folder, checked before anything is opened: every field as its
-    record checks it (:class:`npuq.lower.manifest.Manifest`: the format, the model config, the
-    context, per graph its ar_len and I/O specs as :class:`npuq.lower.ort.OrtGraph` uses them),
-    then each graph's file, which must lie inside the folder and be there."""
-    folder = Path(folder)
-    where, again = f"--onnx {folder}", "export the artifact again"
-    if not (folder / "manifest.json").is_file():
-        raise NpuqError(f"{where}: no manifest.json; is this an `npuq export` folder?")
-    data = read_json(folder / "manifest.json", where, again)
-    if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:  # before its keys: another format's differ
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise NpuqError(f"{where}: manifest format {found!r:.60} is not {EXPORT_FORMAT!r}; {again} with this npuq")
-    try:
-        manifest = from_json(Manifest, data, f"{where}: manifest.json")
-    except NpuqError as exc:
-        raise NpuqError(f"{exc}; {again}") from None
-    for kind, entry in manifest.graphs.items():
-        at = f"{where}, graph {kind!s:.40}"
-        if not resolve_inside(folder, entry.file, at).is_file():
-            raise NpuqError(f"{at}: {entry.file} is missing; {again}")
-        if entry.external_data is not None:
-            resolve_inside(folder, entry.external_data, at)
-    if manifest.encodings is not None:
-        resolve_inside(folder, manifest.encodings.file, f"{where}, encodings")
-        for kind, entry in (manifest.encodings.graphs or {}).items():
-            resolve_inside(folder, entry.file, f"{where}, encodings of graph {kind!s:.40}")
-    if manifest.genai is not None:
-        for name in (manifest.genai.config, *manifest.genai.stages):
-            if not resolve_inside(folder, name, f"{where}, genai").is_file():
-                raise NpuqError(f"{where}, genai: {name} is missing; {again} with --genai")
-    if manifest.compiled is not None:
-        for kind, c in manifest.compiled.graphs.items():
-            at = f"{where}, compiled context {kind!s:.40}"
-            for name in (c.file, c.binary):
-                if not resolve_inside(folder, name, at).is_file():
-                    raise NpuqError(f"{at}: {name} is missing; {again} with --compile")
-    return manifest

@@ -16,7 +16,12 @@ from typing import Any
 import numpy as np
 from onnx import NodeProto, TensorProto, helper
 
-from npuq.lower.qparams import NUMPY_OF, Encoding, quantize
+from npuq.errors import NpuqError
+from npuq.lower.qparams import NUMPY_OF, Encoding, constant_encoding, quantize
+
+
+class Unsupported(NpuqError):
+    """A builder cannot lower this node; the message is the reason."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,8 +83,6 @@ class NodeView:
     def tensor(self, i: int) -> Value:
         v = self.args[i]
         if not isinstance(v, Value):
-            from npuq.lower.registry import Unsupported
-
             raise Unsupported(f"argument {i} is {type(v).__name__}, expected a tensor")
         return v
 
@@ -157,8 +160,6 @@ class Emit:
 
     def scalar(self, value: float, like: Value | None, tag: str = "scalar") -> str:
         """A scalar operand: quantized exactly to the type of ``like`` when that is quantized."""
-        from npuq.lower.qparams import constant_encoding
-
         if like is None or like.encoding is None or like.encoding.per_channel:
             return self.const(np.array(value, dtype=np.float32), tag)
         enc = constant_encoding(value, like.encoding)

@@ -2,7 +2,7 @@
 and read back with :func:`npuq.records.from_json`, so its fields are defined once, here.
 
 Each record checks on construction what a runner relies on (the checks that need the folder,
-graph files inside it and present, are :func:`npuq.lower.export.read_manifest`'s): the format,
+graph files inside it and present, are :func:`read_manifest`'s): the format,
 the model config, a context of at least 2, per graph a distinct ar_len from 1 to the context
 and its inputs and outputs (names, dtypes, shapes, encodings) as
 :class:`npuq.lower.ort.OrtGraph` uses them. Messages say what is wrong; the reader adds the
@@ -12,12 +12,15 @@ file and what to do.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from npuq.errors import NpuqError
+from npuq.fsio import read_json, resolve_inside
 from npuq.models.config import ModelConfig
-from npuq.records import optional_key
+from npuq.records import from_json, optional_key
 
 KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")  # the KV-cache inputs and outputs of both graphs
 GENAI_CACHES = ("windowed", "shared")  # the KV-cache contracts of an onnxruntime-genai folder (npuq.lower.genai)
@@ -251,3 +254,43 @@ class Manifest:
     def cfg(self) -> ModelConfig:
         """``model_config`` as the model's config (checked: a :class:`NpuqError` names what is wrong)."""
         return ModelConfig.from_dict(self.model_config)
+
+
+def read_manifest(folder: str | os.PathLike) -> Manifest:
+    """manifest.json of an export folder, checked before anything is opened: every field as its
+    record checks it (:class:`Manifest`: the format, the model config, the
+    context, per graph its ar_len and I/O specs as :class:`npuq.lower.ort.OrtGraph` uses them),
+    then each graph's file, which must lie inside the folder and be there."""
+    folder = Path(folder)
+    where, again = f"--onnx {folder}", "export the artifact again"
+    if not (folder / "manifest.json").is_file():
+        raise NpuqError(f"{where}: no manifest.json; is this an `npuq export` folder?")
+    data = read_json(folder / "manifest.json", where, again)
+    if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:  # before its keys: another format's differ
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise NpuqError(f"{where}: manifest format {found!r:.60} is not {EXPORT_FORMAT!r}; {again} with this npuq")
+    try:
+        manifest = from_json(Manifest, data, f"{where}: manifest.json")
+    except NpuqError as exc:
+        raise NpuqError(f"{exc}; {again}") from None
+    for kind, entry in manifest.graphs.items():
+        at = f"{where}, graph {kind!s:.40}"
+        if not resolve_inside(folder, entry.file, at).is_file():
+            raise NpuqError(f"{at}: {entry.file} is missing; {again}")
+        if entry.external_data is not None:
+            resolve_inside(folder, entry.external_data, at)
+    if manifest.encodings is not None:
+        resolve_inside(folder, manifest.encodings.file, f"{where}, encodings")
+        for kind, entry in (manifest.encodings.graphs or {}).items():
+            resolve_inside(folder, entry.file, f"{where}, encodings of graph {kind!s:.40}")
+    if manifest.genai is not None:
+        for name in (manifest.genai.config, *manifest.genai.stages):
+            if not resolve_inside(folder, name, f"{where}, genai").is_file():
+                raise NpuqError(f"{where}, genai: {name} is missing; {again} with --genai")
+    if manifest.compiled is not None:
+        for kind, c in manifest.compiled.graphs.items():
+            at = f"{where}, compiled context {kind!s:.40}"
+            for name in (c.file, c.binary):
+                if not resolve_inside(folder, name, at).is_file():
+                    raise NpuqError(f"{at}: {name} is missing; {again} with --compile")
+    return manifest

@@ -29,14 +29,18 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from npuq.errors import NpuqError
 from npuq.lower.builders.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, encoding_of
 from npuq.lower.qparams import Encoding
-from npuq.lower.ir import Initializer, Lowered, NodeView, Note, Value
+from npuq.lower.builders import select
+from npuq.lower.ir import Initializer, Lowered, NodeView, Note, Unsupported, Value
 from npuq.lower.manifest import IOEncoding, IOEntry
 from npuq.lower.patterns import RMS_NORM_OP, match_patterns
-from npuq.lower.registry import BuildContext, LowerOptions, Unsupported, select
+from npuq.lower.registry import BuildContext, LowerOptions
 from npuq.lower.target import Target
 from npuq.records import to_json
 
@@ -134,8 +138,6 @@ def _program_graph(program) -> tuple[torch.fx.Graph, Callable[[str], Any]]:
 
 
 def _unlifted_graph(ep: torch.export.ExportedProgram) -> tuple[torch.fx.Graph, Callable[[str], Any]] | None:
-    from torch.export.graph_signature import InputKind, OutputKind
-
     sig = ep.graph_signature
     lifted = {InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR}
     if any(s.kind not in lifted | {InputKind.USER_INPUT} for s in sig.input_specs) \
@@ -168,9 +170,6 @@ def _unlifted_graph(ep: torch.export.ExportedProgram) -> tuple[torch.fx.Graph, C
 def _ensure_meta(gm: torch.fx.GraphModule) -> None:
     """Give every node a ``meta["val"]`` (convert_pt2e leaves its q/dq nodes without one) by
     propagating fake tensors shaped like the placeholders: no real computation."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
     computing = [n for n in gm.graph.nodes if n.op == "call_function"]
     if all(isinstance(n.meta.get("val"), torch.Tensor) for n in computing if _op_name(n) not in SKIP_OPS):
         return

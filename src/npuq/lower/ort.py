@@ -19,6 +19,7 @@ backend (in CPU emulation on x86-64 hosts, on the NPU on a device).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import subprocess
@@ -28,11 +29,13 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import onnx
 import torch
+from onnx import TensorProto as T, helper, numpy_helper
 
 from npuq.fsio import resolve_inside
 from npuq.errors import NpuqError
-from npuq.lower.manifest import GraphEntry, IOEncoding, Manifest
+from npuq.lower.manifest import GraphEntry, IOEncoding, Manifest, read_manifest
 
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 PROVIDERS = ("cpu", "htp")
@@ -40,6 +43,7 @@ _registered = False
 
 
 def _ort():
+    # onnxruntime (0.1 s) loads when a session is opened
     import onnxruntime
 
     return onnxruntime
@@ -106,6 +110,7 @@ def register_qnn():
     reason = qnn_available()
     if reason:
         raise NpuqError(f"cannot use the QNN HTP backend: {reason}")
+    # optional: the QNN HTP execution provider (onnxruntime-qnn)
     import onnxruntime_qnn
 
     if not _registered:
@@ -256,12 +261,10 @@ def context_use(manifest: Manifest, provider: str, htp_arch: int | None = None) 
 
 def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[Manifest, dict[int, OrtGraph]]:
     """(manifest, {ar_len: graph}) for a folder written by ``npuq export``; the manifest is
-    checked first (:func:`npuq.lower.export.read_manifest`: graph files must lie inside
+    checked first (:func:`npuq.lower.manifest.read_manifest`: graph files must lie inside
     ``folder``), and a graph ONNX Runtime cannot open is an :class:`NpuqError`. On ``htp`` the
     compiled contexts run when :func:`context_use` says so (their outputs are the QDQ graph's,
     bit for bit, and they load in a fraction of the time)."""
-    from npuq.lower.export import read_manifest
-
     folder = Path(folder)
     if provider not in PROVIDERS:
         raise NpuqError(f"unknown provider {provider!r}; choose {', '.join(PROVIDERS)}")
@@ -288,8 +291,6 @@ def _open_cpu(path: Path, weights: dict):
     it opens (the graph opens on its first call, inside the caller's thread scope: the phase's
     planned count)."""
     try:
-        import onnx
-
         model, fed = dequantized_weights(onnx.load(str(path)), weights)
         return _WeightsFed(cpu_session(model, threads=torch.get_num_threads()), fed)
     except Exception as exc:  # noqa: BLE001  (ONNX Runtime raises its own exception types)
@@ -307,11 +308,6 @@ def dequantized_weights(model, shared: dict) -> tuple[object, dict[str, np.ndarr
     each call computes what it computed before, bit for bit. ``shared`` maps a node's inputs
     (names, attributes and bytes) to its values, so the prefill and decode graphs of one
     export hold one float copy of the weights."""
-    import hashlib
-
-    from onnx import TensorProto as T
-    from onnx import helper, numpy_helper
-
     fed_types = {T.FLOAT, T.INT8, T.UINT8, T.INT16, T.UINT16, T.INT32, T.UINT32, T.INT64}  # int4 & co. stay initializers
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}

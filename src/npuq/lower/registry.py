@@ -4,9 +4,10 @@ needs; the registry picks the newest one the target supports.
     @register("aten.embedding.default", min_sdk=(2, 48, 0), variant="optimized")
     def embedding_optimized(view: NodeView, ctx: BuildContext) -> Lowered: ...
 
-Builders live in :mod:`npuq.lower.builders`, one module per op family. A builder never
-reads the environment and never mutates shared state; when it cannot lower its node it raises
-:class:`Unsupported` with the reason (never returns None).
+Builders live in :mod:`npuq.lower.builders`, one module per op family, which also holds the
+lookups (``select``, ``builders_for``, ``known_ops``): importing it registers every builder
+first. A builder never reads the environment and never mutates shared state; when it cannot
+lower its node it raises :class:`npuq.lower.ir.Unsupported` with the reason (never returns None).
 """
 
 from __future__ import annotations
@@ -20,10 +21,6 @@ from npuq.lower.target import Target
 
 EMBEDDING_PATTERNS = ("auto", "legacy", "optimized")
 EMBEDDING_STORAGE = ("u16", "int8-rowscale")
-
-
-class Unsupported(NpuqError):
-    """A builder cannot lower this node; the message is the reason."""
 
 
 @dataclass(frozen=True)
@@ -92,42 +89,3 @@ def register(*ops: str, min_sdk: tuple[int, int, int] = (0, 0, 0), min_arch: int
         return fn
 
     return decorate
-
-
-def _ensure_loaded() -> None:
-    import npuq.lower.builders  # noqa: F401  (registers every builder module)
-
-
-def builders_for(op: str) -> list[BuilderSpec]:
-    _ensure_loaded()
-    return list(_REGISTRY.get(op, ()))
-
-
-def known_ops() -> list[str]:
-    _ensure_loaded()
-    return sorted(_REGISTRY)
-
-
-def select(op: str, target: Target, variant: str | None = None) -> BuilderSpec:
-    """The builder for ``op`` on ``target``: the newest (highest SDK, then arch) it supports,
-    or the named ``variant`` (an error if the target is known to be too old for it)."""
-    specs = builders_for(op)
-    if not specs:
-        raise Unsupported(f"no builder for {op}; add one under npuq/lower/builders/ (known ops: "
-                          "npuq.lower.registry.known_ops())")
-    if variant is not None:
-        chosen = [s for s in specs if s.variant == variant]
-        if not chosen:
-            raise Unsupported(f"{op} has no {variant!r} pattern; known: {', '.join(sorted({s.variant for s in specs}))}")
-        spec = max(chosen, key=lambda s: (s.min_sdk, s.min_arch or 0))
-        too_old = (target.qnn_version is not None and spec.min_sdk != (0, 0, 0) and not target.sdk_at_least(spec.min_sdk))
-        if too_old:
-            raise NpuqError(
-                f"the {variant} pattern of {op} needs {spec.requirement()}, but the target is QNN "
-                f"{target.qnn_version}: choose another pattern or target a newer SDK"
-            )
-        return spec
-    usable = [s for s in specs if s.supported_on(target)]
-    if not usable:
-        raise Unsupported(f"{op} needs {' or '.join(s.requirement() for s in specs)}; the target is {target.describe()}")
-    return max(usable, key=lambda s: (s.min_sdk, s.min_arch or 0))

@@ -143,6 +143,7 @@ def installed_ort_qnn_version() -> tuple[QnnVersion, str] | None:
     .qnn_version``; older wheels without it are scanned for the build id of their libQnnHtp.so.
     """
     try:
+        # optional: the QNN HTP execution provider (onnxruntime-qnn)
         import onnxruntime_qnn
     except ImportError:
         return None

@@ -18,6 +18,7 @@ from npuq.models.sources import (BUILTINS, gguf_tokenizer, hf_checkpoint, hf_tok
                                  read_hf_config, read_hf_folder, resolve)
 from npuq.models.stream import StreamedDecoder
 from npuq.models.weights import Checkpoint
+from npuq.resources import USABLE_FRACTION, available_memory, gib
 
 __all__ = ["BUILTINS", "LoadedModel", "ModelConfig", "StaticDecoder", "StreamedDecoder", "load_model", "build_decoder",
            "model_info", "open_streamed"]
@@ -218,8 +219,6 @@ def open_streamed(spec: str, max_context: int | None = None, progress: bool = Fa
 def guard_model_memory(cfg: ModelConfig, source: str) -> None:
     """Refuse, before anything is read, a model whose float32 weights cannot fit the memory this
     process may use (docs/design.md §13): the kernel would kill the run half-way, silently."""
-    from npuq.resources import USABLE_FRACTION, available_memory, gib
-
     needed, available = model_sizes(cfg)[1], available_memory()
     if needed > USABLE_FRACTION * available:
         raise NpuqError(

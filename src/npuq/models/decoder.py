@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npuq.errors import ModelLoadError
 from npuq.models.config import ModelConfig, RopeConfig
 
 # Additive mask value. Large enough that exp(score + MASK_VALUE) vanishes for any realistic
@@ -67,8 +69,6 @@ def all_finite(t: torch.Tensor) -> bool:
     overflowed or met a bad value is looked at element by element. numpy's sum runs on one
     thread: torch's starts a parallel region per tensor, which on a busy machine waits for a
     core each time (3 s instead of 0.1 s for the 273 tensors of a 135M model)."""
-    import numpy as np
-
     try:
         values = t.detach().numpy()
     except (TypeError, RuntimeError):  # bfloat16 and other types numpy lacks
@@ -302,8 +302,6 @@ class StaticDecoder(nn.Module):
         refused before anything is allocated. A tied model's missing ``lm_head.weight`` is the
         embedding table.
         """
-        from npuq.errors import ModelLoadError
-
         tensors = dict(tensors)
         if "lm_head.weight" not in tensors and self.config.tie_word_embeddings and "embed_tokens.weight" in tensors:
             tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
@@ -316,8 +314,6 @@ class StaticDecoder(nn.Module):
     def check_shapes(self, shapes: dict[str, tuple[int, ...]], source: str) -> None:
         """Check that ``shapes`` (checkpoint name → shape; a tied model's ``lm_head.weight`` may be
         absent) names every tensor of this model at the shape its config gives, and nothing else."""
-        from npuq.errors import ModelLoadError
-
         expected = {name: tuple(t.shape) for name, t in self.state_dict().items()}
         given = dict(shapes)
         if "lm_head.weight" not in given and self.config.tie_word_embeddings and "embed_tokens.weight" in given:

@@ -37,10 +37,17 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from npuq.fsio import file_sha256, remove_stale
+from tokenizers import Tokenizer
+
+from npuq import __version__
+from npuq.errors import ModelLoadError, NpuqError
+from npuq.fsio import atomic_dir, file_sha256, read_json, remove_stale, resolve_inside, user_cache_dir, write_json
+from npuq.models.config import ModelConfig
+from npuq.models.weights import write_safetensors
 
 CACHE_FORMAT = 1
 MANIFEST = "npuq-cache.json"
@@ -61,8 +68,6 @@ def cache_enabled() -> bool:
 
 
 def cache_root() -> Path:
-    from npuq.fsio import user_cache_dir
-
     return user_cache_dir() / "gguf"
 
 
@@ -87,10 +92,6 @@ def _code_digest() -> str:
 
 
 def _versions() -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from npuq import __version__
-
     found: dict[str, Any] = {"format": CACHE_FORMAT, "npuq": __version__, "code": _code_digest()}
     for package in ("transformers", "gguf", "safetensors"):
         try:
@@ -110,9 +111,6 @@ def _one_line(text: str) -> str:
 
 # --------------------------------------------------------------------------- the hash index
 def _read_index(root: Path) -> dict[str, dict[str, Any]]:
-    from npuq.errors import NpuqError
-    from npuq.fsio import read_json
-
     path = root / INDEX
     if not path.is_file():
         return {}
@@ -127,8 +125,6 @@ def _read_index(root: Path) -> dict[str, dict[str, Any]]:
 
 
 def _write_index(root: Path, files: dict[str, dict[str, Any]]) -> None:
-    from npuq.fsio import write_json
-
     if len(files) > INDEX_LIMIT:
         files = dict(list(files.items())[-INDEX_LIMIT:])
     write_json(root / INDEX, {"format": CACHE_FORMAT, "files": files})
@@ -157,9 +153,6 @@ class Entry:
         """Why the entry cannot be loaded, and whether that deserves a warning; None when it looks
         complete. Checks the manifest, versions and every file's size (and hash, weights aside):
         cheap, no tensor is read. The loader's own checks come after."""
-        from npuq.errors import NpuqError
-        from npuq.fsio import read_json, resolve_inside
-
         folder = self.folder
         if not folder.is_dir():
             return "absent", False
@@ -194,9 +187,6 @@ class Entry:
 
     def model_config(self) -> Any:
         """npuq's ModelConfig as stored (checked like any config read back); after check()."""
-        from npuq.errors import ModelLoadError
-        from npuq.models.config import ModelConfig
-
         if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("model_config"), dict):
             raise ModelLoadError(f"{self.folder / MANIFEST}: no model_config")
         return ModelConfig.from_dict(self.manifest["model_config"])
@@ -239,10 +229,6 @@ class Entry:
         :class:`npuq.models.sources.GGUFTensors`) are decoded and written one at a time, each
         checked for finite values first. A GGUF that changed while it was being read is not
         stored."""
-        from npuq.errors import ModelLoadError
-        from npuq.fsio import atomic_dir, write_json
-        from npuq.models.weights import write_safetensors
-
         try:
             if _signature(self.gguf) != self.signature:
                 log.debug("%s changed while it was loaded: not caching it", self.gguf)
@@ -317,7 +303,7 @@ def _write_fast_tokenizer(folder: Path) -> dict[str, Any] | None:
     a probe. None (nothing written) otherwise, or on any failure: the tokenizer then always
     comes from transformers, as before."""
     try:
-        from tokenizers import Tokenizer
+        # transformers (0.7 s) loads on use: a cached GGUF model runs without it
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -345,10 +331,6 @@ class CachedEncoder:
     0.2 s where the transformers tokenizer takes 1.9 s (1.4 s of it importing transformers)."""
 
     def __init__(self, path: Path, facts: Any) -> None:
-        from tokenizers import Tokenizer
-
-        from npuq.errors import ModelLoadError
-
         ids = ("bos_token_id", "eos_token_id")
         if (not isinstance(facts, dict) or not all(facts.get(k) is None or type(facts.get(k)) is int for k in ids)
                 or type(facts.get("size")) is not int):
@@ -386,9 +368,8 @@ class CachedHFConfig:
         if name.startswith("__") or name in ("_folder", "_config"):
             raise AttributeError(name)
         if self._config is None:
+            # transformers (0.7 s) loads on use: a cached GGUF model runs without it
             from transformers import AutoConfig
-
-            from npuq.errors import ModelLoadError
 
             try:
                 self._config = AutoConfig.from_pretrained(self._folder, local_files_only=True)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import importlib.util
 import json
 import re
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 
 from npuq.errors import ModelLoadError, UnsupportedArchitecture
-from npuq.fsio import remove_stale
+from npuq.fsio import atomic_path, remove_stale, user_cache_dir, write_json
 from npuq.models.config import SUPPORTED_MODEL_TYPES
 from npuq.models.weights import Checkpoint
 
@@ -117,10 +120,6 @@ def builtin_path(name: str) -> Path:
 
 def _assembled(name: str, entry: Builtin) -> Path:
     """Join a chunked GGUF once into the user cache (checked by the package's sha256), atomically."""
-    import importlib
-
-    from npuq.fsio import atomic_path, user_cache_dir
-
     target = user_cache_dir() / "builtin" / entry.filename
     if target.is_file():
         return target
@@ -142,8 +141,6 @@ _ABANDONED_AFTER_S = 6 * 3600  # a temporary file this old is left from a killed
 def find_part(package: str, index: int) -> tuple[str, Path | None] | None:
     """(installed version, path of ``data/partKK.bin``) of distribution ``package``, from its
     RECORD (nothing is imported); None when it is not installed, path None when the file is absent."""
-    from importlib import metadata
-
     try:
         dist = metadata.distribution(package)
     except metadata.PackageNotFoundError:
@@ -196,8 +193,6 @@ def joined_parts(name: str, entry: PartsBuiltin) -> Path:
     sha256 computed while copying, and checked before the file appears, atomically: an
     interrupted or refused join leaves nothing), then reused. A reused file is re-hashed only
     when its stat differs from the one recorded when it was hashed."""
-    from npuq.fsio import user_cache_dir
-
     target = user_cache_dir() / "builtin" / entry.filename
     if _reusable(target, entry):
         return target
@@ -211,7 +206,6 @@ def joined_parts(name: str, entry: PartsBuiltin) -> Path:
                              f"{folder} has {free / 2**20:.0f} MiB free; free some space or set NPUQ_CACHE_DIR "
                              "to a folder on another disk")
     print(f"npuq: joining {name} once into {target}: the {entry.origin}", file=sys.stderr, flush=True)
-    from npuq.fsio import atomic_path, write_json
 
     digest = hashlib.sha256()
     with atomic_path(target) as tmp:
@@ -265,8 +259,6 @@ def _reusable(target: Path, entry: PartsBuiltin) -> bool:
                 while block := f.read(_COPY_BLOCK):
                     digest.update(block)
             if digest.hexdigest() == entry.sha256:
-                from npuq.fsio import write_json
-
                 write_json(_stamp_path(target), _stamp(target, entry.sha256))
                 return True
         print(f"npuq: warning: {target} is not the pinned {entry.title} (changed since it was joined); "
@@ -317,6 +309,7 @@ def read_hf_config(folder: Path) -> Any:
         raise UnsupportedArchitecture(
             f"{config_file}: model type {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
+    # transformers (0.7 s) loads only when a config or tokenizer is read with it
     from transformers import AutoConfig
 
     try:
@@ -349,6 +342,7 @@ def hf_tokenizer(folder: Path) -> Callable[[], Any]:
     """Loads the tokenizer saved in ``folder`` when called."""
 
     def tokenizer():
+        # transformers (0.7 s) loads only when a config or tokenizer is read with it
         from transformers import AutoTokenizer
 
         try:
@@ -399,6 +393,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_reader(path: Path) -> Any:
+    # gguf (0.1-0.25 s) loads only when a GGUF file is read
     import gguf
 
     try:
@@ -440,6 +435,7 @@ class GGUFTensors:
         return {name: tuple(int(d) for d in reversed(t.shape)) for name, t in self.tensors.items()}
 
     def get(self, name: str) -> torch.Tensor:
+        # gguf (0.1-0.25 s) loads only when a GGUF file is read
         import gguf
 
         t = self.tensors[name]
@@ -480,6 +476,7 @@ def _reader_shared(path: Path, reader: Any) -> Iterator[None]:
     file again. AutoConfig and AutoTokenizer each build a gguf.GGUFReader of the file (1.8 s
     apiece for SmolLM2-135M, most of it reading the 49k-token vocabulary item by item), and
     the reader holds nothing a reading changes."""
+    # gguf (0.1-0.25 s) loads only when a GGUF file is read
     import gguf
 
     real, target = gguf.GGUFReader, path.resolve()
@@ -498,6 +495,7 @@ def _reader_shared(path: Path, reader: Any) -> Iterator[None]:
 
 def _gguf_config(path: Path) -> Any:
     """transformers' config of a GGUF file (its metadata parsed by transformers)."""
+    # transformers (0.7 s) loads only when a config or tokenizer is read with it
     from transformers import AutoConfig
 
     # transformers parses untrusted metadata here and may raise anything on a damaged file.
@@ -525,8 +523,7 @@ def gguf_tokenizer(path: Path) -> Any:
     leaves out what the tokenizer class adds when it loads from files (Qwen2's NFC normalizer:
     "cafe" + U+0301 was 3 tokens from the GGUF and 2 from the cache), so without this round
     trip a model encoded such text one way on its first load and another way after."""
-    import tempfile
-
+    # transformers (0.7 s) loads only when a config or tokenizer is read with it
     from transformers import AutoTokenizer
 
     try:

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from npuq.errors import ModelLoadError, NpuqError
 from npuq.models.config import ModelConfig
@@ -61,7 +62,6 @@ class StreamedDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *caches: torch.Tensor):
         if caches:
             raise NpuqError("a streamed model runs whole windows from an empty cache (no KV-cache inputs)")
-        from tqdm import tqdm
 
         model = self.skeleton
         n = self.config.num_layers

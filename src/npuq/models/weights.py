@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import safe_open
 
 from npuq.errors import ModelLoadError
 from npuq.models.decoder import all_finite
@@ -110,9 +112,6 @@ class Checkpoint:
 
     def load(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (default: all) as float32, file by file (each file opened once)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import safe_open
-
         wanted = list(self.entries) if names is None else list(names)
         by_file: dict[Path, list[str]] = {}
         for name in wanted:

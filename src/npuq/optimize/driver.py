@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from npuq.device import device_of
 from npuq.optimize.gptq import gptq_codes
@@ -38,6 +39,7 @@ from npuq.optimize.seqmse import (
     quantize_codes,
     seq_mse_search,
 )
+from npuq.runtime.runner import forward_logits
 
 ROUNDINGS = ("nearest", "gptq")
 INPUTS = ("float", "quantized")
@@ -78,8 +80,6 @@ def collect_grams(model: nn.Module, windows: Iterable[torch.Tensor], names: list
     Returns (layer → group index, Gram per group). Consecutive layers called on the very same
     tensor (q/k/v, gate/up) form one group and their input is counted once.
     """
-    from npuq.runtime.runner import forward_logits
-
     modules = dict(model.named_modules())
     group_of: dict[str, int] = {}
     grams: list[torch.Tensor] = []
@@ -151,8 +151,6 @@ def _block_inputs(model: nn.Module, windows: list[torch.Tensor]) -> tuple[list[t
     """(hidden state entering block 0 per window, [per block: (args, kwargs) after the hidden
     state, per window]), from one forward whose blocks are the identity: the embedding, RoPE
     tables and masks are exactly what the model's own forward gives each block."""
-    from npuq.runtime.runner import forward_logits
-
     hidden: list[torch.Tensor] = []
     extra: list[list[tuple]] = [[] for _ in model.layers]
     for tokens in windows:
@@ -285,8 +283,6 @@ def optimize_weights(
     :func:`gptq_codes` (``damp``, ``act_order``).
     Returns (per-layer results, {"collect_seconds", "seq_mse_seconds", "rounding_seconds"}).
     """
-    from tqdm import tqdm
-
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if inputs not in INPUTS:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from npuq.device import is_cpu
 from npuq.errors import NpuqError
+from npuq.optimize.driver import INPUTS, MAX_BITS, ROUNDINGS, WeightSpec, optimize_weights
+from npuq.quant.schemes import PerBlock
 
 
 def resolve_recovery(
@@ -19,8 +24,6 @@ def resolve_recovery(
     a third or more (bench/accuracy.py, README), for ~10 s more collection and nothing at run
     time (the scales are fixed beforehand, so the column order leaves the format unchanged).
     """
-    from npuq.optimize.driver import INPUTS, ROUNDINGS
-
     if seq_mse is not None and seq_mse < 1:
         raise NpuqError(f"--seq-mse {seq_mse}: the number of candidate scales must be at least 1 (the published default is 50)")
     if weight_rounding not in ROUNDINGS:
@@ -40,11 +43,6 @@ def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
     """WeightSpec of every linear layer under ``recipe`` whose weights the driver can optimise
     (at most its MAX_BITS): module path → bits, block size; LPBQ layers of 16a4w_block keep the
     backend's block-scale rule (npuq.optimize.driver)."""
-    import torch
-
-    from npuq.optimize.driver import MAX_BITS, WeightSpec
-    from npuq.quant.schemes import PerBlock
-
     specs = {}
     for path, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
@@ -75,9 +73,6 @@ def optimize_for_recipe(
 
     On a GPU ``device`` the model visits it for the Gram collection and the search and comes
     back to the CPU (where it is exported) with its rewritten weights."""
-    from npuq.device import is_cpu
-    from npuq.optimize.driver import MAX_BITS, optimize_weights
-
     inputs, act_order = resolve_recovery(seq_mse, rounding, inputs, act_order)
     specs = linear_weight_specs(model, recipe)
     if not specs:

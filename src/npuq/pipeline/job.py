@@ -13,6 +13,7 @@ links are impossible), so they are ordinary folders that can be copied to a devi
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import gc
 import os
@@ -33,10 +34,15 @@ from npuq.eval.layers import layer_errors
 from npuq.eval.perplexity import EvalOptions, EvalResult, evaluate_model
 from npuq.fsio import atomic_dir, write_json, write_text
 from npuq.lower.export import ExportOptions, ExportResult, export_artifact
+from npuq.models import load_model
+from npuq.models.sources import resolve
+from npuq.optimize.rotate import rotate_as
 from npuq.pipeline.programs import Programs, open_programs
 from npuq.pipeline.stages import RunDir
+from npuq.quantize.artifact import read_artifact
 from npuq.quantize.stage import QuantizeOptions, QuantizeResult, check_quantize, quantize_to_artifact
 from npuq.records import from_json, to_json
+from npuq.report.build import build_report
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.generate import generate
 from npuq.runtime.runner import forward_logits
@@ -98,8 +104,6 @@ class ThreadsResult:
 def model_identity(spec: str) -> dict[str, Any]:
     """What identifies the model's files without reading them: path, sizes and modification
     times (a changed file changes every stage key)."""
-    from npuq.models.sources import resolve
-
     kind, path = resolve(spec)
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
     return {"spec": spec, "kind": kind, "path": str(path.resolve()),
@@ -142,8 +146,6 @@ class Job:
     @functools.cached_property
     def loaded(self) -> Any:
         """The float model, loaded once and only if a stage has to be built."""
-        from npuq.models import load_model
-
         return load_model(self.options.model, max_context=max(self.options.quantize.context, 4096))
 
     @property
@@ -261,12 +263,8 @@ class Job:
         weights (same seed, so the same matrices): layer outputs are then compared in one basis.
         Rotated in place (no second copy of the weights); the model computes the same function
         to float rounding (npuq.optimize.rotate), so the stages after this one may use it."""
-        from npuq.quantize.artifact import read_artifact
-
         rotation = read_artifact(self.folders["quantize"] / "artifact").rotation
         if rotation and not self._rotated:
-            from npuq.optimize.rotate import rotate_as
-
             rotate_as(self.loaded.model, rotation)
             self._rotated = True
         return self.loaded.model
@@ -352,7 +350,6 @@ class Job:
         self.say(f"[{len(STAGES)}/{len(STAGES)}] report: {STAGE_TITLES['report']}")
         link_tree(self.folders["quantize"] / "artifact", self.out / "artifact")
         link_tree(self.folders["export"] / "onnx", self.out / "onnx")
-        from npuq.report.build import build_report
 
         report, html = build_report(self, time.perf_counter() - start)
         write_text(self.out / "report.html", html)
@@ -377,8 +374,6 @@ def release_memory() -> None:
     this and at 8.6 GB with it."""
     gc.collect()
     if sys.platform.startswith("linux"):
-        import ctypes
-
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc (musl): nothing to ask

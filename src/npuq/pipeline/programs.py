@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from npuq.device import is_cpu, move_graph
 from npuq.errors import NpuqError
 from npuq.eval.perplexity import EvalResult, evaluate_perplexity
 from npuq.models.config import ModelConfig
-from npuq.runtime.runner import run_programs
+from npuq.runtime.runner import run_programs, tokens_shape
 
 
 @dataclass
@@ -34,14 +35,10 @@ class Programs:
     @property
     def batch(self) -> int:
         """Rows per call worth giving :meth:`logits` (the scoring program's batch, else 1)."""
-        from npuq.runtime.runner import tokens_shape
-
         return 1 if self.scoring is None else tokens_shape(self.scoring)[0]
 
     def to(self, device: str | torch.device) -> Programs:
         """Move the PT2E programs to ``device`` in place; ONNX graphs accept only the CPU."""
-        from npuq.device import is_cpu, move_graph
-
         if is_cpu(device):
             return self  # saved programs and ONNX sessions are CPU already
         if "onnx" in self.source:
@@ -67,6 +64,7 @@ class Programs:
 
 def open_programs(artifact: str | None = None, onnx: str | None = None, provider: str = "cpu") -> Programs:
     if artifact:
+        # torchao (1.4 s) loads only when an artifact is opened
         from npuq.quantize.artifact import load_artifact, read_artifact
 
         qm = load_artifact(artifact)
@@ -76,6 +74,7 @@ def open_programs(artifact: str | None = None, onnx: str | None = None, provider
                         {"artifact": str(artifact), "scheme": qm.recipe.default, "recipe": qm.recipe.name},
                         qm.scoring)
     if onnx:
+        # onnx (0.7 s) loads only when an export is opened
         from npuq.lower.ort import context_use, load_export
 
         manifest, graphs = load_export(onnx, provider)

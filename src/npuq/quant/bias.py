@@ -40,6 +40,7 @@ from torchao.quantization.pt2e import DerivedObserverOrFakeQuantize
 
 from npuq.quant.graph import attr_tensor
 from npuq.quant.observers import LpbqPerChannelObserver, PerChannelWeightObserver
+from npuq.quant.specs import _derive_bias_qparams
 
 INT32_MAX = 2**31 - 1
 MARGIN = 1 + 2**-10  # float32 rounding of the two scales and their product (module docstring)
@@ -60,8 +61,6 @@ class WidenedBias:
 def _bias_observers(gm: GraphModule):
     """(derived bias observer, bias tensor) for every int32 bias whose scale is derived from an
     activation and a per-channel weight observer (npuq.quant.specs.bias_spec)."""
-    from npuq.quant.specs import _derive_bias_qparams
-
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torchao.quantization.pt2e import MinMaxObserver, PerChannelMinMaxObserver
 from torchao.quantization.pt2e.observer import ObserverBase
+from torchao.quantization.pt2e.utils import create_getattr_from_value
 
 from npuq.errors import NpuqError
 from npuq.quant.graph import module_path
@@ -139,8 +140,6 @@ class LpbqPerChannelObserver(PerChannelWeightObserver):
     def convert(self, model: torch.fx.GraphModule, observer_node: torch.fx.Node) -> None:
         """Replace the observer by torchao's per-block quantize_affine / dequantize_affine pair
         (torchao's convert calls this instead of inserting per-channel ops)."""
-        from torchao.quantization.pt2e.utils import create_getattr_from_value
-
         scales, _, _ = self.block_qparams()
         block = (1, self.block_size)
         graph = model.graph

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from npuq.errors import NpuqError
+from npuq.fsio import read_json
 from npuq.quant.schemes import SCHEMES, Scheme, get_scheme
 
 # Op kinds the quantizer assigns to graph nodes (see npuq.quant.quantizer).
@@ -278,7 +279,6 @@ def load_recipe(spec: str | None, scheme: str | None = None) -> Recipe:
         path = Path(spec).expanduser()
         if not path.is_file():
             raise NpuqError(f"--recipe {spec!r} is neither a built-in recipe ({', '.join(RECIPES)}) nor a JSON file")
-        from npuq.fsio import read_json
 
         data = read_json(path, f"--recipe {spec}", "write the recipe as a JSON object (see 'npuq quantize --help')")
         recipe = Recipe.from_dict(data, name=path.stem)

@@ -108,6 +108,7 @@ class TensorFormat:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The PT2E storage dtype (see the module docstring)."""
+        # torch loads on use: the CLI's --help lists the schemes without it
         import torch
 
         if self.bits == 16:
@@ -116,6 +117,7 @@ class TensorFormat:
 
     @property
     def qscheme(self) -> torch.qscheme:
+        # torch loads on use: the CLI's --help lists the schemes without it
         import torch
 
         if isinstance(self.granularity, PerTensor):

@@ -40,13 +40,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+import torchao
 from torch.fx import GraphModule
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
+import npuq
 from npuq.fsio import atomic_dir, read_json, resolve_inside
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
 from npuq.models.stream import StreamedDecoder
-from npuq.calibrate.encodings import encodings_json
+from npuq.calibrate.encodings import encodings_json, read_encodings
 from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, tensor_bytes, write_programs
 from npuq.quantize.passes import fold_constant_dequant, simplify_qdq
 from npuq.quantize.pt2e import QuantizedModel, QuantizedPart, check_parts
@@ -203,10 +206,6 @@ def _state_sha256(items: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def versions() -> dict[str, str]:
-    import torchao
-
-    import npuq
-
     return {"npuq": npuq.__version__, "torch": torch.__version__, "torchao": torchao.__version__}
 
 
@@ -412,10 +411,6 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True, scorin
     float-sized weights in memory. Pass False to keep the programs as saved (q/dq nodes and all,
     what the lowering reads). ``scoring``: also load the scoring program, if the artifact has one.
     """
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
-    from npuq.calibrate.encodings import read_encodings
-
     path = Path(folder)
     config = read_artifact(path)
     encodings = read_encodings(path / "encodings.json")  # checked before the slow program loads

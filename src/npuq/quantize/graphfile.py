@@ -36,9 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch.fx import Graph, GraphModule, Node
 
 from npuq.errors import NpuqError
+from npuq.fsio import read_json, resolve_inside
 
 GRAPH_FORMAT = "npuq-graph/1"
 WEIGHTS_FILE = "weights.safetensors"
@@ -182,8 +185,6 @@ def write_programs(programs: dict[str, GraphModule], folder: Path, files: dict[s
                    weights: str = WEIGHTS_FILE) -> int:
     """Write each program of ``programs`` (kind → static GraphModule) to ``folder / files[kind]``
     and their tensors once to ``folder / weights``; returns the bytes of tensor data written."""
-    from safetensors.torch import save_file
-
     stored, table = collect_tensors(list(programs.values()))
     save_file(stored, str(folder / weights), metadata={"format": GRAPH_FORMAT})
     for kind, gm in programs.items():
@@ -205,9 +206,6 @@ def tensor_bytes(programs: list[GraphModule]) -> int:
 # --------------------------------------------------------------------------- reading
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a weights file (safetensors: raw bytes, nothing to unpickle)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
@@ -378,8 +376,6 @@ def build_program(data: Any, tensors: dict[str, torch.Tensor], where: str) -> Gr
 def read_program(path: Path, tensors: dict[str, torch.Tensor] | None = None) -> GraphModule:
     """The program in ``path``, over ``tensors`` (the content of its weights file; read from the
     file the program names, inside the same folder, when None)."""
-    from npuq.fsio import read_json, resolve_inside
-
     path = Path(path)
     data = read_json(path, f"program {path}", "quantize again")
     if tensors is None:

@@ -17,9 +17,12 @@ from typing import Any, Sequence
 import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.graph import CodeGen
+from torchao.quantization.pt2e.constant_fold import replace_node_with_constant
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
 from npuq.calibrate.graphs import is_input_guard, is_shape_node
+from npuq.quant.graph import DATA_MOVERS
 
 
 _QUANTIZE_PER_CHANNEL = torch.ops.quantized_decomposed.quantize_per_channel.default
@@ -88,8 +91,6 @@ def fold_quantized_constants(gm: GraphModule) -> None:
     and what no node reads any more is removed. Dequantize ops stay in the graph, as there.
     torchao's folder also runs each weight's dequantize (about a third of a convert), only to
     decide not to fold it."""
-    from torchao.quantization.pt2e.constant_fold import replace_node_with_constant
-
     graph = gm.graph
     constant: set[Node] = set()
     for node in graph.nodes:
@@ -194,7 +195,6 @@ def specialize(gm: GraphModule, inputs: Sequence[torch.Tensor]) -> GraphModule:
         if isinstance(val, torch.Tensor):
             copy.meta["val"] = torch.empty(tuple(concrete(d) for d in val.shape), dtype=val.dtype, device="meta")
         env[node] = copy
-    from torch.fx.graph import CodeGen
 
     static._codegen = CodeGen()  # plain positional inputs and a tuple of outputs
     # Lazy: its Python code is generated on the first call, not here (a quantize that only
@@ -430,8 +430,6 @@ def simplify_qdq(gm: GraphModule) -> GraphModule:
 
 
 def g_data_movers() -> set:
-    from npuq.quant.graph import DATA_MOVERS
-
     return set(DATA_MOVERS) | {torch.ops.aten.alias.default}
 
 

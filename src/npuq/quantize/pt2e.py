@@ -35,12 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+import torchao.utils
+from torch.ao.quantization.fx import utils as fx_utils
 from torch.fx import GraphModule
+from torch.fx.experimental import proxy_tensor
 from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+from tqdm import tqdm
 
 from npuq.calibrate.encodings import collect_encodings
 from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
-from npuq.calibrate.graphs import calibration_view, export_graph, export_model_graph, meta_model_graph, part_graph
+from npuq.calibrate.graphs import HIDDEN, calibration_view, export_graph, export_model_graph, meta_model_graph, part_graph
 from npuq.calibrate.split import CalibrationWindows, split_windows
 from npuq.device import device_of, is_cpu, move_graph
 from npuq.errors import NpuqError
@@ -221,8 +225,6 @@ def merge_encodings(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The encodings of the whole model from its parts': each tensor once, in order. The hidden
     states a part takes in are the ones the part before it gave out, whose encoding that part
     holds under the producing node's name; the part's own observation of its input is left out."""
-    from npuq.calibrate.graphs import HIDDEN
-
     merged: dict[str, Any] = {"version": parts[0]["version"], "activation_encodings": [], "param_encodings": []}
     for key in ("activation_encodings", "param_encodings"):
         seen: set[str] = set()
@@ -432,10 +434,6 @@ def forget_graphs() -> None:
     Without this the exported and prepared graphs, and the weights they hold, outlive the
     quantize stage (found on Qwen2.5-Coder-0.5B: `npuq run` kept about one fp32 copy of the model
     after quantize; three GraphModules reachable only from these caches)."""
-    import torchao.utils
-    from torch.ao.quantization.fx import utils as fx_utils
-    from torch.fx.experimental import proxy_tensor
-
     for cached in (getattr(torchao.utils, "_assert_and_get_unique_device", None),
                    getattr(fx_utils, "assert_and_get_unique_device", None)):
         if hasattr(cached, "cache_clear"):
@@ -444,6 +442,4 @@ def forget_graphs() -> None:
 
 
 def _progress_bar(total: int, desc: str):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False)

@@ -16,16 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from npuq.calibrate.split import split_windows
-from npuq.data.corpora import corpus_tokens
+from npuq.data.corpora import corpus_tokens, load_corpus, replaced_characters
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
+from npuq.models import load_model, model_config, model_sizes, open_streamed
 from npuq.models.stream import StreamedDecoder
 from npuq.optimize.budget import BudgetReport, budget_recipe, check_budget_base
 from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
+from npuq.optimize.rotate import rotate_model
+from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS, load_recipe
 from npuq.quant.size import WeightSize, model_weights, recipe_size
-from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS
-from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
+from npuq.quantize.artifact import ArtifactExtra, ModelInfo, check_destination, start_weights_sha256, writing_artifact
+from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, even_parts, quantize_model
 from npuq.records import optional_key
+from npuq.resources import USABLE_FRACTION, available_memory
 from npuq.runtime.context import ExecutionContext
 
 GRANULARITIES = ("channel", "layer")
@@ -146,9 +150,6 @@ class QuantizeResult:
 def check_quantize(options: QuantizeOptions) -> Any:
     """What can be checked without the model, beyond the record's own checks: the recipe (a
     file is read) and the calibration corpus. Returns (recipe, calibration documents)."""
-    from npuq.data.corpora import load_corpus
-    from npuq.quant.recipe import load_recipe
-
     recipe = load_recipe(options.recipe, options.scheme)
     if options.rotate is not None:
         recipe = recipe.with_rotation(None if options.rotate == "none" else options.rotate)
@@ -168,9 +169,6 @@ def auto_parts(cfg: Any, available: int | None = None) -> int:
     npuq holds them, peaked at 4.7 GB quantizing 16a8w with 1024 tokens, context 512. Otherwise
     the fewest parts of even size whose weights each take at most PART_FRACTION of it, streamed
     (docs/design.md §13)."""
-    from npuq.models import model_sizes
-    from npuq.resources import USABLE_FRACTION, available_memory
-
     usable = USABLE_FRACTION * (available_memory() if available is None else available)
     weights = model_sizes(cfg)[1]
     if WHOLE_FACTOR * weights <= usable:
@@ -192,11 +190,6 @@ def quantize_to_artifact(
 
 
 def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force: bool) -> QuantizeResult:
-    from npuq.data.corpora import replaced_characters
-    from npuq.models import load_model, model_config, open_streamed
-    from npuq.quantize.artifact import ArtifactExtra, ModelInfo, check_destination, start_weights_sha256, writing_artifact
-    from npuq.quantize.pt2e import even_parts
-
     start = time.perf_counter()
     check_destination(out, force)  # cheap checks first: the model takes seconds to load
     recipe, documents = check_quantize(o)
@@ -223,7 +216,6 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     weights_sha256 = start_weights_sha256(loaded.model)  # of the float weights as loaded
     rotation = None
     if recipe.rotate is not None:  # before everything that reads the weights: the artifact holds rotated ones
-        from npuq.optimize.rotate import rotate_model
 
         weights_sha256()  # the rotation writes the weights in place: the hash first
 

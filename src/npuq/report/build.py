@@ -12,8 +12,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from npuq import __version__
+from npuq.eval.layers import LayerError, worst
+from npuq.optimize.rotate import RotationReport
+from npuq.quantize.artifact import read_artifact
 from npuq.records import to_json
 from npuq.report.html import Figure, Section, Table, figure_png, render
+from npuq.threads.plot import sweep_figure
+from npuq.threads.tuner import TuneResult
 
 WORST = 5
 
@@ -33,9 +39,11 @@ def _kind(path: str) -> str:
 
 
 def layers_figure(layers: list[dict[str, Any]], worst: list[dict[str, Any]]) -> bytes:
+    # matplotlib (0.2-0.6 s) loads only to draw a figure
     import matplotlib
 
     matplotlib.use("Agg")
+    # pyplot once the backend is chosen (Agg: no display needed)
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.6), sharex=True)
@@ -75,10 +83,6 @@ def recipe_rows(plan: list[dict[str, str]]) -> list[list[Any]]:
 
 def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
     """(report.json content, report.html text) of a finished :class:`npuq.pipeline.job.Job`."""
-    from npuq import __version__
-    from npuq.eval.layers import LayerError, worst
-    from npuq.quantize.artifact import read_artifact
-
     res, out = job.results, job.out
     artifact = read_artifact(job.folders["quantize"] / "artifact")
     q, export = res["quantize"], res["export"]
@@ -129,8 +133,6 @@ def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
 def rotation_text(rotation: dict[str, Any] | None) -> str:
     if not rotation:
         return "No rotation was folded into the weights."
-    from npuq.optimize.rotate import RotationReport
-
     return ("Before calibration, " + RotationReport(**rotation).describe() + ". The float model computes the same "
             "function; the per-layer errors compare both in the rotated basis.")
 
@@ -151,9 +153,6 @@ def budget_text(report: dict[str, Any]) -> str:
 
 
 def render_html(report: dict[str, Any]) -> str:
-    from npuq.threads.plot import sweep_figure
-    from npuq.threads.tuner import TuneResult
-
     m, ppl, exp = report["model"], report["perplexity"], report["export"]
     ratio = ppl["quantized"]["word_perplexity"] / ppl["float"]["word_perplexity"]
     qnn = f"QNN {exp['qnn_version']} ({exp['qnn_version_source']})" if exp["qnn_version"] else "QNN version unknown"

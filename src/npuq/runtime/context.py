@@ -19,6 +19,7 @@ from typing import Any, ContextManager
 import torch
 
 from npuq.device import is_cpu, resolve_device
+from npuq.runtime.workloads import phase_workload
 from npuq.threads import ThreadPlan, check_requested, cpu_ceiling, plan_threads, scope_or_keep
 from npuq.threads.tuner import Workload
 
@@ -60,8 +61,6 @@ class ExecutionContext:
                    prefill_len: int | None = None) -> ThreadPlan:
         """:meth:`plan` on the float ``model``'s workloads of ``phases`` (npuq.runtime.workloads);
         ``model`` None: nothing is timed, the counts are kept."""
-        from npuq.runtime.workloads import phase_workload
-
         missing = [p for p in phases if p not in self._threads]
         if self.on_cpu and self.requested == 0 and model is not None:
             self.plan({p: phase_workload(model, p, context, prefill_len if p == "prefill" else None) for p in missing})

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from npuq.errors import NpuqError
+from npuq.runtime.runner import example_inputs, step_inputs
 from npuq.threads.tuner import Workload
 
 PHASES = ("decode", "prefill", "calibrate")
@@ -41,8 +42,6 @@ def phase_workload(model: torch.nn.Module, phase: str, context: int = 512, ar_le
     A decode step is timed as the runner drives the eager float decoder (npuq.runtime.runner):
     over the filled slots only (half the context) with fused attention, the step generation runs.
     """
-    from npuq.runtime.runner import example_inputs, step_inputs
-
     if phase not in PHASES:
         raise NpuqError(f"unknown phase {phase!r}; choose one of {', '.join(PHASES)}")
     if context > model.max_context:

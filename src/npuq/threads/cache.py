@@ -16,7 +16,10 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import torch
+
 from npuq.fsio import user_cache_dir, write_json
+from npuq.threads.limits import cpu_model
 from npuq.threads.tuner import TuneResult
 
 SCHEMA = 1  # bump when TuneResult's stored form changes; older files then miss
@@ -32,10 +35,6 @@ class CacheKey:
     @classmethod
     def here(cls, signature: str, ceiling: int) -> "CacheKey":
         """The key of ``signature`` on this host with this torch."""
-        import torch
-
-        from npuq.threads.limits import cpu_model
-
         return cls(cpu_model(), ceiling, torch.__version__, signature)
 
     def filename(self) -> str:

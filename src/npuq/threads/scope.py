@@ -13,6 +13,11 @@ from typing import Iterator
 
 import torch
 
+try:
+    from threadpoolctl import threadpool_limits
+except ImportError:  # optional at run time: without it, only torch's threads are scoped
+    threadpool_limits = None
+
 
 def _blas_limits(n: int) -> contextlib.AbstractContextManager:
     """Limit BLAS libraries other than torch's own (numpy's OpenBLAS, a system MKL) to ``n`` threads.
@@ -20,9 +25,7 @@ def _blas_limits(n: int) -> contextlib.AbstractContextManager:
     torch.set_num_threads already covers torch's OpenMP pool and its bundled MKL; threadpoolctl
     reaches the BLAS that numpy and scipy load, and restores it on exit.
     """
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # optional at run time: without it, only torch's threads are scoped
+    if threadpool_limits is None:
         return contextlib.nullcontext()
     return threadpool_limits(limits=n, user_api="blas")
 

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
+import torch
+
 from npuq.threads.scope import thread_scope
 
 # Fractions of the ceiling tried, as published (executorch PR #18184).
@@ -272,8 +274,6 @@ def tune(
     it is not a candidate it is timed as a reference for ``speedup_vs_default`` only.
     ``on_candidate(n, seconds)`` is called for each count once timing is done.
     """
-    import torch
-
     default = torch.get_num_threads() if default_threads is None else default_threads
     candidates = candidate_counts(ceiling)
     order = measure_order(candidates, default)

@@ -14,8 +14,8 @@ import math
 import numpy as np
 
 from npuq.lower.qparams import Encoding, affine_for_range
-from npuq.lower.ir import Emit, Lowered, NodeView, Value
-from npuq.lower.registry import BuildContext, Unsupported, register
+from npuq.lower.ir import Emit, Lowered, NodeView, Unsupported, Value
+from npuq.lower.registry import BuildContext, register
 
 BINARY = {
     "aten.add.Tensor": "Add", "aten.add.Scalar": "Add",

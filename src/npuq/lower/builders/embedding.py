@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from npuq.lower import pcq
-from npuq.lower.ir import Emit, Lowered, NodeView, Value
-from npuq.lower.registry import BuildContext, Unsupported, register
+from npuq.lower.ir import Emit, Lowered, NodeView, Unsupported, Value
+from npuq.lower.registry import BuildContext, register
 from npuq.lower.target import PCQ_EMBEDDING_OPTIMIZED_SDK
 
 

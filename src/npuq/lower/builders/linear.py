@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from npuq.lower.qparams import NUMPY_OF, Encoding, lpbq_split, quantize
-from npuq.lower.ir import Emit, Lowered, NodeView, Value
-from npuq.lower.registry import BuildContext, Unsupported, register
+from npuq.lower.qparams import NUMPY_OF, Encoding, affine_for_range, dequantize, lpbq_split, quantize
+from npuq.lower.ir import Emit, Lowered, NodeView, Unsupported, Value
+from npuq.lower.registry import BuildContext, register
 
 
 def _weight_codes(w: Value) -> tuple[np.ndarray, Encoding] | None:
@@ -100,7 +100,6 @@ def linear(view: NodeView, ctx: BuildContext) -> Lowered:
         # The HTP composes no Gemm with LPBQ weights: MatMul, then the bias as a quantized Add.
         # The MatMul output gets the output range shifted by the bias range (so nothing the Add
         # brings back into range is clipped): one extra rounding.
-        from npuq.lower.qparams import affine_for_range, dequantize
 
         if b.const is not None:
             bias = b.const.astype(np.float32)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from npuq.lower.ir import Emit, Lowered, NodeView, Value
+from npuq.lower.ir import Emit, Lowered, NodeView, Unsupported, Value
 from npuq.lower.patterns import RMS_NORM_OP
-from npuq.lower.registry import BuildContext, Unsupported, register
+from npuq.lower.registry import BuildContext, register
 
 
 @register("aten.rms_norm.default")

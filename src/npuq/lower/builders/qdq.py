@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from npuq.lower.qparams import NUMPY_OF, Encoding, quantize, storage_type
-from npuq.lower.ir import Emit, Lowered, NodeView, Value
-from npuq.lower.registry import BuildContext, Unsupported, register
+from npuq.lower.ir import Emit, Lowered, NodeView, Unsupported, Value
+from npuq.lower.registry import BuildContext, register
 
 QD = "quantized_decomposed"
 Q_PER_TENSOR = (f"{QD}.quantize_per_tensor.default", f"{QD}.quantize_per_tensor.tensor", f"{QD}.quantize_per_tensor.tensor2")

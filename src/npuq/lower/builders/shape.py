@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from npuq.lower.ir import Emit, Lowered, NodeView, Value, alias
-from npuq.lower.registry import BuildContext, Unsupported, register
+from npuq.lower.ir import Emit, Lowered, NodeView, Unsupported, Value, alias
+from npuq.lower.registry import BuildContext, register
 
 
 def _axis(dim: int, rank: int) -> int:

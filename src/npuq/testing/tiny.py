@@ -7,9 +7,15 @@ NoPE layers, Llama 3 RoPE scaling).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from npuq.models import build_decoder, undo_norm_offset
+from npuq.models.config import config_from_hf
+from npuq.models.weights import hf_name
 
 # name → (transformers config class name, kwargs)
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -33,6 +39,7 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def tiny_hf_model(name: str, seed: int = 0) -> Any:
     """A transformers causal LM with random weights (norm weights perturbed too), eval mode, fp32."""
+    # transformers (0.7 s) loads on use
     import transformers
 
     cls_name, kwargs = TINY_CONFIGS[name]
@@ -49,10 +56,6 @@ def tiny_hf_model(name: str, seed: int = 0) -> Any:
 
 def tiny_decoder(name: str, seed: int = 0, max_context: int = 64):
     """(hf_model, npuq StaticDecoder with the same weights)."""
-    from npuq.models import build_decoder, undo_norm_offset
-    from npuq.models.config import config_from_hf
-    from npuq.models.weights import hf_name
-
     hf = tiny_hf_model(name, seed)
     cfg = config_from_hf(hf.config)
     tensors = undo_norm_offset(cfg, {hf_name(k): v for k, v in hf.state_dict().items()})
@@ -62,9 +65,7 @@ def tiny_decoder(name: str, seed: int = 0, max_context: int = 64):
 def save_tiny_hf_folder(folder: Any, name: str = "llama", seed: int = 0, words: int = 200) -> Any:
     """Write a loadable Hugging Face folder (safetensors + a word-level tokenizer over the words
     ``w0`` … ``w{words-1}``) of the tiny ``name`` model, for end-to-end CLI tests."""
-    from pathlib import Path
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    # transformers (0.7 s) loads on use
     from transformers import PreTrainedTokenizerFast
 
     folder = Path(folder)  # words + 3 above vocab_size (256) makes a mismatched folder, for tests of that
