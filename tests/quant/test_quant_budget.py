@@ -10,7 +10,7 @@ import torch
 
 from npuq.cli import main
 from npuq.errors import NpuqError
-from npuq.models.tiny import save_tiny_hf_folder, tiny_decoder
+from npuq.testing.tiny import save_tiny_hf_folder, tiny_decoder
 from npuq.optimize.budget import Option, allocate, budget_recipe, lower_hull, measure_sensitivity
 from npuq.quant.recipe import RECIPES
 from npuq.quant.size import WeightTensor, layer_size, model_weights, recipe_size

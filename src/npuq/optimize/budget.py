@@ -32,10 +32,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from npuq.device import device_of
 from npuq.errors import NpuqError
 from npuq.optimize.seqmse import fake_quantize, lpbq_scale, minmax_scale
 from npuq.quant.recipe import Recipe, Rule
 from npuq.quant.schemes import PerBlock, get_scheme
+from npuq.runtime.runner import step_inputs
 from npuq.quant.size import (EMBEDDING, LINEAR, WeightTensor, layer_size, model_weights, recipe_layer_sizes,
                              total_size)
 
@@ -105,9 +107,6 @@ def measure_sensitivity(model: Any, rows: Iterable[torch.Tensor], weights: Seque
                         act_bits: int = 16) -> tuple[dict[str, dict[str, float]], int]:
     """(layer path → format → sensitivity (module docstring), tokens scored) over ``rows``
     (1-D token windows) on the float ``model``, where it is."""
-    from npuq.device import device_of
-    from npuq.runtime.runner import step_inputs
-
     modules = dict(model.named_modules())
     sens = {w.path: dict.fromkeys(formats_of(w), 0.0) for w in weights}
 

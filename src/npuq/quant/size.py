@@ -81,7 +81,7 @@ class WeightSize:
 
 def model_weights(model: Any) -> tuple[WeightTensor, ...]:
     """The quantized weights of a StaticDecoder (or any module): every nn.Linear and nn.Embedding, in module order."""
-    from torch import nn
+    from torch import nn  # deferred: the size arithmetic (npuq info, recipes) needs no torch
 
     found = []
     for path, module in model.named_modules():

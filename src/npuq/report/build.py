@@ -14,6 +14,7 @@ from typing import Any
 
 from npuq import __version__
 from npuq.eval.layers import LayerError, worst
+from npuq.optimize.budget import BudgetReport
 from npuq.optimize.rotate import RotationReport
 from npuq.quantize.artifact import read_artifact
 from npuq.records import to_json
@@ -145,8 +146,6 @@ def budget_text(report: dict[str, Any]) -> str:
             f"head and embedding table; scales excluded), {report['weight_bytes']:,} bytes with their scales.")
     budget = report["recipe"].get("budget")
     if budget:
-        from npuq.optimize.budget import BudgetReport
-
         text += (f" Formats chosen by --bits-per-weight: {BudgetReport(**budget).describe()}; the recipe is "
                  f"artifact/{budget['recipe_file']}, which --recipe takes.")
     return text
