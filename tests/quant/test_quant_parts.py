@@ -9,6 +9,7 @@ conftest's, so both sum in the same order). The streamed model reads the same fl
 the resident one holds, so it must give the same again.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -19,6 +20,7 @@ from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.models import load_model, open_streamed
 from npuq.testing.tiny import TINY_CONFIGS, save_tiny_hf_folder, tiny_decoder
+from npuq.optimize.rotate import rotate_model, rotate_streamed
 from npuq.quant.recipe import load_recipe
 from npuq.quantize.artifact import PARTS_FORMAT, load_artifact, read_artifact, save_artifact, weights_sha256, \
     start_weights_sha256
@@ -89,11 +91,21 @@ def test_one_layer_per_part_gives_the_whole_graphs_encodings_and_logits(arch, ca
     assert _by_name(json.loads((folder / "encodings.json").read_text())) == _by_name(whole.encodings)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])  # sliding windows and norm offsets; biases, untied head
-def test_streamed_parts_equal_the_resident_model(arch, calibration, tmp_path):
+@pytest.mark.parametrize("arch,r1,r2", [("gemma3", False, False), ("qwen2", False, False), ("llama", True, True),
+                                        ("gemma3", True, False)])  # R1 across sandwich norms; q/k/v biases
+def test_streamed_parts_equal_the_resident_model(arch, r1, r2, calibration, tmp_path):
+    """Sliding windows and norm offsets (gemma3), biases and an untied head (qwen2), a tied head
+    untied by R1 (llama); rotated as each part is read, or the resident model in place."""
     folder = save_tiny_hf_folder(tmp_path / arch, arch, seed=4)
     resident = load_model(str(folder), max_context=64)
     streamed = open_streamed(str(folder), max_context=64)  # the same RoPE length: the same tables
+    # the hash of the float weights, read one tensor at a time, is the resident model's
+    assert start_weights_sha256(streamed.model)() == weights_sha256(resident.model)
+    if r1 or r2:
+        expected_report = rotate_model(resident.model, seed=7, r1=r1, r2=r2)
+        report = rotate_streamed(streamed.model, seed=7, r1=r1, r2=r2)
+        assert dataclasses.replace(report, seconds=0) == dataclasses.replace(expected_report, seconds=0)
+        assert streamed.model.config == resident.model.config  # untied alike
     L = resident.config.num_layers
     recipe = load_recipe(None, "16a8w")
     expected = quantize_model(resident.model, recipe, calibration, context=CONTEXT, batch_size=4)
@@ -105,8 +117,6 @@ def test_streamed_parts_equal_the_resident_model(arch, calibration, tmp_path):
     test = _tokens(resident.config.vocab_size, (2, 30), 5)
     chained = quantize_model(streamed.model, recipe, calibration, context=CONTEXT, batch_size=4, parts=even_parts(L, 2))
     assert torch.equal(chained.logits(test), expected.logits(test))
-    # the hash of the float weights, read one tensor at a time, is the resident model's
-    assert start_weights_sha256(streamed.model)() == weights_sha256(resident.model)
 
 
 def test_parts_are_checked():
@@ -138,14 +148,14 @@ def test_cli_quantizes_in_parts_and_eval_scores_the_artifact(tmp_path, capsys):
     folder = save_tiny_hf_folder(tmp_path / "llama", "llama", seed=5)
     common = ["quantize", "--model", str(folder), "--scheme", "16a8w", "--calib-tokens", "64", "--context", "16",
               "--num-threads", "1"]
-    assert main([*common, "--parts", "2", "--out", str(tmp_path / "refused")]) == 2
-    assert "add --rotate none" in capsys.readouterr().err
+    assert main([*common, "--parts", "2", "--seq-mse", "4", "--out", str(tmp_path / "refused")]) == 2
+    assert "drop --seq-mse" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
-    assert main([*common, "--parts", "2", "--rotate", "none", "--out", str(tmp_path / "p2"),
-                 "--json", str(tmp_path / "p2.json")]) == 0
+    assert main([*common, "--parts", "2", "--out", str(tmp_path / "p2"), "--json", str(tmp_path / "p2.json")]) == 0
     result = json.loads((tmp_path / "p2.json").read_text())
-    assert result["parts"] == 2 and result["streamed"] is True
-    assert main([*common, "--parts", "1", "--rotate", "none", "--out", str(tmp_path / "p1")]) == 0
+    assert result["parts"] == 2 and result["streamed"] is True and result["rotation"]["r1"]  # the default R1
+    assert main([*common, "--parts", "1", "--out", str(tmp_path / "p1"), "--json", str(tmp_path / "p1.json")]) == 0
+    assert json.loads((tmp_path / "p1.json").read_text())["rotation"]["r1"]
     scores = []
     for art in ("p1", "p2"):
         assert main(["eval", "--artifact", str(tmp_path / art), "--context", "16", "--max-tokens", "64",

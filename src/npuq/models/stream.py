@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -53,6 +53,10 @@ class StreamedDecoder(nn.Module):
         # not a submodule: its meta parameters are no weights of this module (device_of → the CPU)
         self.__dict__["skeleton"] = skeleton
         self.reads = 0  # tensors read from the checkpoint, for tests and progress
+        self.tied = cfg.tie_word_embeddings  # the checkpoint's lm head is its embedding table (config may change)
+        # Applied to the skeleton once a part's weights are in (resident_part): (skeleton, first,
+        # end) → None, in place; npuq.optimize.rotate.rotate_streamed sets one.
+        self.transform: Callable[[nn.Module, int, int], None] | None = None
 
     def to(self, device: str | torch.device | None = None) -> StreamedDecoder:  # type: ignore[override]
         if device is not None and torch.device(device).type != "cpu":
@@ -85,7 +89,7 @@ class StreamedDecoder(nn.Module):
         """(name, tensor) of every weight in name order, read one at a time: the resident model's
         sorted ``state_dict().items()`` (for :func:`npuq.quantize.artifact.weights_sha256`)."""
         for name in sorted(self.skeleton.state_dict()):
-            yield name, self._read(name)
+            yield name, self.read(name)
 
     def part_names(self, first: int, end: int) -> tuple[str, ...]:
         """The tensors of layers first … end - 1, with the embedding if ``first`` is 0 and the final
@@ -96,18 +100,22 @@ class StreamedDecoder(nn.Module):
         return (*(("embed_tokens.weight",) if first == 0 else ()), *names,
                 *(_HEAD if end == self.config.num_layers else ()))
 
-    def resident_part(self, first: int, end: int) -> contextlib.AbstractContextManager[None]:
-        """Inside, the skeleton holds the weights of :meth:`part_names` (read and checked); they
-        are freed on leaving."""
-        return self._resident(self.part_names(first, end))
+    @contextlib.contextmanager
+    def resident_part(self, first: int, end: int) -> Iterator[None]:
+        """Inside, the skeleton holds the weights of :meth:`part_names` (read and checked, then
+        :attr:`transform`-ed); they are freed on leaving."""
+        with self._resident(self.part_names(first, end), own=self.transform is not None):
+            if self.transform is not None:
+                self.transform(self.skeleton, first, end)
+            yield
 
     @contextlib.contextmanager
-    def _resident(self, names: tuple[str, ...]) -> Iterator[None]:
+    def _resident(self, names: tuple[str, ...], own: bool = False) -> Iterator[None]:
         """Inside, the skeleton's tensors ``names`` hold the checkpoint's weights (checked for
         finite values); afterwards they are back on the meta device and their memory is freed."""
         model = self.skeleton
-        for name in names:
-            _set(model, name, self._read(name))
+        for name in names:  # own: copies, to write in place (a float32 file's tensors are mapped from it)
+            _set(model, name, self.read(name).clone() if own else self.read(name))
         try:
             yield
         finally:
@@ -115,11 +123,11 @@ class StreamedDecoder(nn.Module):
                 _set(model, name, torch.empty(_get(model, name).shape, device="meta"))
 
 
-    def _read(self, name: str) -> torch.Tensor:
+    def read(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as the resident model holds it: float32, the norm offset added, a tied
         head read from the embedding; checked for finite values."""
         stored = name
-        if name == "lm_head.weight" and name not in self.checkpoint and self.config.tie_word_embeddings:
+        if name == "lm_head.weight" and name not in self.checkpoint and self.tied:
             stored = "embed_tokens.weight"
         t = self.checkpoint.get(stored)
         self.reads += 1

@@ -86,7 +86,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["RotationReport", "hadamard_matrix", "random_orthogonal", "rotation_matrix", "rotate_model", "rotate_as"]
+__all__ = ["RotationReport", "Rotation", "hadamard_matrix", "random_orthogonal", "rotation_matrix", "plan_rotation",
+           "rotate_layers", "rotate_model", "rotate_streamed", "rotate_as"]
 
 _ROW_CHUNK = 8192  # rows of the embedding table / lm head rotated at a time (float64 copies stay small)
 
@@ -233,16 +234,96 @@ def _uniform(gamma: torch.Tensor) -> bool:
     return bool((gamma == gamma.flatten()[0]).all())
 
 
-def _sandwich_obstacle(model: nn.Module) -> str | None:
-    """Why R1 would not be exact for a sandwich-norm model, or None when every post-norm gamma is all-equal."""
-    bad = [f"layers.{i}.{name}" for i, layer in enumerate(model.layers)
-           for name in ("post_attention_layernorm", "post_feedforward_layernorm")
-           if not _uniform(getattr(layer, name).weight.detach())]
+_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+
+def _sandwich_obstacle(gammas: list[tuple[str, torch.Tensor]]) -> str | None:
+    """Why R1 would not be exact for a sandwich-norm model, given its post-norms' (name, gamma),
+    or None when every post-norm gamma is all-equal."""
+    bad = [name for name, gamma in gammas if not _uniform(gamma)]
     if not bad:
         return None
     return (f"sandwich norms: {len(bad)} post-attention/post-FFN RMSNorm(s) (first {bad[0]}) read the rotated block "
             "output and feed the residual with no linear after them, and their gamma is not all-equal, so "
             "RMSNorm(x R1) != RMSNorm(x) R1; the residual stream is left unrotated")
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """The matrices of one rotation of a whole model, made once (:func:`plan_rotation`) and
+    folded into its weights layer by layer (:func:`rotate_layers`)."""
+
+    seed: int
+    r1: torch.Tensor | None  # (hidden, hidden) float64; None: no R1
+    r2: tuple[torch.Tensor, ...] | None  # one (head_dim, head_dim) float64 per layer; None: no R2
+    r1_how: str | None
+    r2_how: str | None
+    r1_skipped: str | None
+
+    def report(self, cfg, seconds: float, untied: bool) -> RotationReport:
+        """What folding this rotation into every layer of a model of config ``cfg`` does."""
+        L = cfg.num_layers
+        rotated = 7 * L + 1 if self.r1 is not None else 2 * L if self.r2 is not None else 0  # q k v gate up o down (+ head)
+        return RotationReport(
+            seed=self.seed, r1=self.r1 is not None, r2=self.r2 is not None, r1_matrix=self.r1_how,
+            r2_matrix=self.r2_how, r1_skipped=self.r1_skipped, folded_norms=2 * L + 1 if self.r1 is not None else 0,
+            rotated_linears=rotated, untied=untied, seconds=seconds)
+
+
+def plan_rotation(cfg, *, seed: int = 0, r1: bool = True, r2: bool = False, r1_skipped: str | None = None) -> Rotation:
+    """The matrices of R1 (unless ``r1_skipped`` says why not) and R2 for a model of config
+    ``cfg``, drawn from ``seed``: R1 first, then one R2 per layer in order."""
+    gen = torch.Generator().manual_seed(int(seed))
+    rot = r1_how = rot2 = r2_how = None
+    if r1 and r1_skipped is None:
+        rot, r1_how = rotation_matrix(cfg.hidden_size, gen)
+    if r2:
+        made = [rotation_matrix(cfg.head_dim, gen) for _ in range(cfg.num_layers)]
+        rot2, r2_how = tuple(m for m, _ in made), made[0][1]
+    return Rotation(int(seed), rot, rot2, r1_how, r2_how, r1_skipped if r1 else None)
+
+
+def rotate_layers(model: nn.Module, rotation: Rotation, first: int, end: int, *, embed: bool, head: bool) -> None:
+    """Fold ``rotation`` into layers first … end - 1 of a StaticDecoder's weights, in place, and
+    into its embedding table (``embed``) and final norm and lm head (``head``). Each weight goes
+    through the same products whether the model is rotated whole or part by part."""
+    # (where the part's weights are: a streamed model's others are on the meta device)
+    device = (model.layers[first].self_attn.q_proj if first < end else model.embed_tokens).weight.device
+    rot = None if rotation.r1 is None else rotation.r1.to(device)
+    if rot is not None and embed:
+        emb = model.embed_tokens.weight
+        with torch.no_grad():
+            for s in range(0, emb.shape[0], _ROW_CHUNK):
+                emb[s : s + _ROW_CHUNK] = (emb[s : s + _ROW_CHUNK].double() @ rot).to(emb.dtype)
+
+    def fold(norm: nn.Module, readers: list[nn.Linear]) -> None:
+        gamma = norm.weight.detach().clone()
+        for linear in readers:
+            _rotate_input(linear, rot, gamma)
+        _set(norm.weight, torch.ones_like(norm.weight))
+
+    D, KV, H = model.config.head_dim, model.config.num_kv_heads, model.config.num_heads
+    for i in range(first, end):
+        layer = model.layers[i]
+        attn, mlp = layer.self_attn, layer.mlp
+        if rot is not None:
+            fold(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj])
+            fold(layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm,
+                 [mlp.gate_proj, mlp.up_proj])
+            # (sandwich post-norms: all-equal gamma, checked by the caller; a scalar gamma commutes with R1)
+            _rotate_output(attn.o_proj, rot)
+            _rotate_output(mlp.down_proj, rot)
+        if rotation.r2 is not None:
+            rot2 = rotation.r2[i].to(device)
+            v, o = attn.v_proj, attn.o_proj
+            wv = v.weight.double().view(KV, D, -1)
+            _set(v.weight, (rot2.T @ wv).reshape(KV * D, -1))  # each KV head's output → v_head·R2
+            if v.bias is not None:
+                _set(v.bias, (v.bias.double().view(KV, D) @ rot2).reshape(-1))
+            wo = o.weight.double().view(o.weight.shape[0], H, D)
+            _set(o.weight, (wo @ rot2).reshape(o.weight.shape[0], H * D))  # each query head's input ← R2ᵀ
+    if rot is not None and head:
+        fold(model.norm, [model.lm_head])
 
 
 def rotate_model(model: nn.Module, *, seed: int = 0, r1: bool = True, r2: bool = False) -> RotationReport:
@@ -252,66 +333,40 @@ def rotate_model(model: nn.Module, *, seed: int = 0, r1: bool = True, r2: bool =
     gammas, otherwise skipped and reported)."""
     start = time.perf_counter()
     cfg = model.config
-    gen = torch.Generator().manual_seed(int(seed))
-    device = model.embed_tokens.weight.device
-    r1_skipped = None
+    skipped = None
     if r1 and getattr(cfg, "sandwich_norms", False):
-        r1_skipped = _sandwich_obstacle(model)
-    do_r1 = r1 and r1_skipped is None
-    folded = 0
-    rotated: set[str] = set()
-    r1_how = r2_how = None
+        skipped = _sandwich_obstacle([(f"layers.{i}.{name}", getattr(layer, name).weight.detach())
+                                      for i, layer in enumerate(model.layers) for name in _POST_NORMS])
+    rotation = plan_rotation(cfg, seed=seed, r1=r1, r2=r2, r1_skipped=skipped)
     untied = False
-    if do_r1:
-        rot, r1_how = rotation_matrix(cfg.hidden_size, gen)
-        rot = rot.to(device)
-        if model.lm_head.weight is model.embed_tokens.weight:  # a truly shared Parameter: give the head its own
-            model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
-        emb = model.embed_tokens.weight
-        with torch.no_grad():
-            for s in range(0, emb.shape[0], _ROW_CHUNK):
-                emb[s : s + _ROW_CHUNK] = (emb[s : s + _ROW_CHUNK].double() @ rot).to(emb.dtype)
+    if rotation.r1 is not None and model.lm_head.weight is model.embed_tokens.weight:
+        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())  # give the head its own
+    rotate_layers(model, rotation, 0, cfg.num_layers, embed=True, head=True)
+    if rotation.r1 is not None and cfg.tie_word_embeddings:
+        model.config = dataclasses.replace(cfg, tie_word_embeddings=False)
+        untied = True
+    return rotation.report(cfg, time.perf_counter() - start, untied)
 
-        def fold(norm: nn.Module, readers: list[tuple[str, nn.Linear]]) -> None:
-            nonlocal folded
-            gamma = norm.weight.detach().clone()
-            for name, linear in readers:
-                _rotate_input(linear, rot, gamma)
-                rotated.add(name)
-            _set(norm.weight, torch.ones_like(norm.weight))
-            folded += 1
 
-        for i, layer in enumerate(model.layers):
-            p = f"layers.{i}"
-            attn, mlp = layer.self_attn, layer.mlp
-            fold(layer.input_layernorm, [(f"{p}.self_attn.{n}", getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")])
-            mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
-            fold(mlp_norm, [(f"{p}.mlp.{n}", getattr(mlp, n)) for n in ("gate_proj", "up_proj")])
-            # (sandwich post-norms: all-equal gamma, checked above; a scalar gamma commutes with R1)
-            _rotate_output(attn.o_proj, rot)
-            _rotate_output(mlp.down_proj, rot)
-            rotated.update({f"{p}.self_attn.o_proj", f"{p}.mlp.down_proj"})
-        fold(model.norm, [("lm_head", model.lm_head)])
-        if cfg.tie_word_embeddings:
-            model.config = dataclasses.replace(cfg, tie_word_embeddings=False)
-            untied = True
-    if r2:
-        D, KV, H = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads
-        for i, layer in enumerate(model.layers):
-            rot2, r2_how = rotation_matrix(D, gen)
-            rot2 = rot2.to(device)
-            v, o = layer.self_attn.v_proj, layer.self_attn.o_proj
-            wv = v.weight.double().view(KV, D, -1)
-            _set(v.weight, (rot2.T @ wv).reshape(KV * D, -1))  # each KV head's output → v_head·R2
-            if v.bias is not None:
-                _set(v.bias, (v.bias.double().view(KV, D) @ rot2).reshape(-1))
-            wo = o.weight.double().view(o.weight.shape[0], H, D)
-            _set(o.weight, (wo @ rot2).reshape(o.weight.shape[0], H * D))  # each query head's input ← R2ᵀ
-            rotated.update({f"layers.{i}.self_attn.v_proj", f"layers.{i}.self_attn.o_proj"})
-    return RotationReport(
-        seed=int(seed), r1=do_r1, r2=bool(r2), r1_matrix=r1_how, r2_matrix=r2_how, r1_skipped=r1_skipped,
-        folded_norms=folded, rotated_linears=len(rotated), untied=untied, seconds=time.perf_counter() - start,
-    )
+def rotate_streamed(model: nn.Module, *, seed: int = 0, r1: bool = True, r2: bool = False) -> RotationReport:
+    """:func:`rotate_model` for a :class:`~npuq.models.stream.StreamedDecoder`: the matrices are
+    made now (the sandwich-norm check reads the post-norm gammas only) and each part's weights
+    are rotated as they are read (:meth:`~npuq.models.stream.StreamedDecoder.resident_part`),
+    the same products as the resident model's, so the weights are the same bit for bit."""
+    start = time.perf_counter()
+    cfg = model.config
+    skipped = None
+    if r1 and getattr(cfg, "sandwich_norms", False):
+        skipped = _sandwich_obstacle([(f"layers.{i}.{name}", model.read(f"layers.{i}.{name}.weight"))
+                                      for i in range(cfg.num_layers) for name in _POST_NORMS])
+    rotation = plan_rotation(cfg, seed=seed, r1=r1, r2=r2, r1_skipped=skipped)
+    L = cfg.num_layers
+    model.transform = lambda skeleton, first, end: rotate_layers(skeleton, rotation, first, end, embed=first == 0,
+                                                                 head=end == L)
+    untied = rotation.r1 is not None and cfg.tie_word_embeddings
+    if untied:
+        model.config = dataclasses.replace(cfg, tie_word_embeddings=False)
+    return rotation.report(cfg, time.perf_counter() - start, untied)
 
 
 def rotate_as(model: nn.Module, record: dict) -> RotationReport:

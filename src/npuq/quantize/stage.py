@@ -23,7 +23,7 @@ from npuq.models import load_model, model_config, model_sizes, open_streamed
 from npuq.models.stream import StreamedDecoder
 from npuq.optimize.budget import BudgetReport, budget_recipe, check_budget_base
 from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
-from npuq.optimize.rotate import rotate_model
+from npuq.optimize.rotate import rotate_model, rotate_streamed
 from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS, load_recipe
 from npuq.quant.size import WeightSize, model_weights, recipe_size
 from npuq.quantize.artifact import ArtifactExtra, ModelInfo, check_destination, start_weights_sha256, writing_artifact
@@ -199,8 +199,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     if parts > 1:
         whole = "" if o.parts else (f"it does not fit this machine's memory whole, so it is quantized in {parts} parts, "
                                     "and ")
-        steps = [why for why, on in (("rotation (add --rotate none)", recipe.rotate is not None),
-                                     ("SeqMSE/GPTQ (drop --seq-mse / --weight-rounding)", o.recovers),
+        steps = [why for why, on in (("SeqMSE/GPTQ (drop --seq-mse / --weight-rounding)", o.recovers),
                                      ("a size budget (drop --bits-per-weight)", o.bits_per_weight is not None),
                                      ("sequential calibration (use --calibration-mode onepass)",
                                       o.calibration_mode != "onepass")) if on]
@@ -215,15 +214,16 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     tokens = corpus_tokens(loaded.encoder, documents, o.calib_tokens)
     weights_sha256 = start_weights_sha256(loaded.model)  # of the float weights as loaded
     rotation = None
+    streamed = isinstance(loaded.model, StreamedDecoder)
     if recipe.rotate is not None:  # before everything that reads the weights: the artifact holds rotated ones
-
-        weights_sha256()  # the rotation writes the weights in place: the hash first
-
         r1, r2 = ROTATIONS[recipe.rotate]
-        rotation = rotate_model(loaded.model, seed=ROTATION_SEED, r1=r1, r2=r2)
+        if streamed:  # each part is rotated as it is read: the hash reads the checkpoint as it is
+            rotation = rotate_streamed(loaded.model, seed=ROTATION_SEED, r1=r1, r2=r2)
+        else:
+            weights_sha256()  # the rotation writes the weights in place: the hash first
+            rotation = rotate_model(loaded.model, seed=ROTATION_SEED, r1=r1, r2=r2)
         if ctx.progress:
             print(rotation.describe(), file=sys.stderr, flush=True)
-    streamed = isinstance(loaded.model, StreamedDecoder)
     # Timing thread counts runs the model; streamed, each run would read every weight from disk.
     plan = ctx.plan_model(None if streamed else loaded.model, (o.phase,), o.context)
     budget = None
