@@ -10,7 +10,7 @@ resident memory (the kernel's maximum RSS) and exit status:
     eval-stream     npuq eval --model DIR --stream (one block resident at a time)
     eval-whole      npuq eval --model DIR (the whole float32 model: refused up front where it
                     cannot fit, with the figure, instead of being killed by the kernel)
-    quantize        npuq quantize --model DIR --scheme 16a8w --rotate none --calib-tokens 1024
+    quantize        npuq quantize --model DIR --scheme 16a8w --calib-tokens 1024
                     --context 512 (--parts auto: in parts, streamed, where the model does not fit
                     whole), the artifact to out/scale/<size>-16a8w
 
@@ -166,7 +166,7 @@ def main() -> None:
             runs["eval-whole"] = timed(evaluate)
         if "quantize" in chosen:
             artifact = Path(args.root) / f"{size}-16a8w"
-            runs["quantize"] = timed([*npuq, "quantize", "--model", str(folder), "--scheme", "16a8w", "--rotate", "none",
+            runs["quantize"] = timed([*npuq, "quantize", "--model", str(folder), "--scheme", "16a8w",
                                       "--calib-tokens", "1024", "--context", "512", "--parts", args.parts,
                                       "--out", str(artifact), "--force", "--json", "-"])
             if runs["quantize"]["returncode"] == 0:

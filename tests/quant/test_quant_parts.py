@@ -146,15 +146,16 @@ def test_auto_parts_loads_a_model_that_fits_and_splits_one_that_does_not():
 
 def test_cli_quantizes_in_parts_and_eval_scores_the_artifact(tmp_path, capsys):
     folder = save_tiny_hf_folder(tmp_path / "llama", "llama", seed=5)
-    common = ["quantize", "--model", str(folder), "--scheme", "16a8w", "--calib-tokens", "64", "--context", "16",
-              "--num-threads", "1"]
-    assert main([*common, "--parts", "2", "--seq-mse", "4", "--out", str(tmp_path / "refused")]) == 2
+    common = ["quantize", "--model", str(folder), "--scheme", "16a8w", "--calib-tokens", "64", "--context", "16"]
+    assert main([*common, "--parts", "2", "--seq-mse", "4", "--num-threads", "1", "--out", str(tmp_path / "refused")]) == 2
     assert "drop --seq-mse" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
     assert main([*common, "--parts", "2", "--out", str(tmp_path / "p2"), "--json", str(tmp_path / "p2.json")]) == 0
     result = json.loads((tmp_path / "p2.json").read_text())
     assert result["parts"] == 2 and result["streamed"] is True and result["rotation"]["r1"]  # the default R1
-    assert main([*common, "--parts", "1", "--out", str(tmp_path / "p1"), "--json", str(tmp_path / "p1.json")]) == 0
+    assert [p["source"] for p in result["thread_plan"].values()] == ["kept"]  # a streamed model is not timed
+    assert main([*common, "--parts", "1", "--num-threads", "1", "--out", str(tmp_path / "p1"),
+                 "--json", str(tmp_path / "p1.json")]) == 0
     assert json.loads((tmp_path / "p1.json").read_text())["rotation"]["r1"]
     scores = []
     for art in ("p1", "p2"):

@@ -62,7 +62,11 @@ class ExecutionContext:
         """:meth:`plan` on the float ``model``'s workloads of ``phases`` (npuq.runtime.workloads);
         ``model`` None: nothing is timed, the counts are kept."""
         missing = [p for p in phases if p not in self._threads]
-        if self.on_cpu and self.requested == 0 and model is not None:
+        if model is None and missing:  # nothing to time: the user's count, else torch's current one
+            made = ThreadPlan.untuned(tuple(missing), self.requested)
+            self._threads.update(made.threads)
+            self._sources.update(made.sources)
+        elif self.on_cpu and self.requested == 0:
             self.plan({p: phase_workload(model, p, context, prefill_len if p == "prefill" else None) for p in missing})
         else:  # nothing is timed, so no workload is built
             self.plan(dict.fromkeys(missing))
