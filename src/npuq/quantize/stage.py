@@ -17,12 +17,13 @@ from typing import Any
 from npuq.data.corpora import corpus_tokens
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
-from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
+from npuq.optimize.driver import RecoveryOptions
+from npuq.optimize.gptq import GptqOptions
+from npuq.optimize.recovery import optimize_for_recipe
 from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS
 from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, quantize_model
 from npuq.runtime.context import ExecutionContext
 
-GRANULARITIES = ("channel", "layer")
 ROTATION_SEED = 0  # the random signs of the Hadamard matrices: fixed, so a rerun quantizes alike
 
 
@@ -54,8 +55,6 @@ class QuantizeOptions:
         if self.calibration_mode not in CALIBRATION_MODES:
             raise NpuqError(f"unknown --calibration-mode {self.calibration_mode!r}; choose one of "
                             f"{', '.join(CALIBRATION_MODES)}")
-        if self.seq_mse_granularity not in GRANULARITIES:
-            raise NpuqError(f"--seq-mse-granularity {self.seq_mse_granularity!r}: choose one of {', '.join(GRANULARITIES)}")
         if self.context < 2:
             raise NpuqError(f"--context {self.context} is too small: a window needs at least 2 tokens")
         if self.calib_tokens < self.context:
@@ -66,17 +65,27 @@ class QuantizeOptions:
         prefill_len = default_prefill_len(self.context) if self.prefill_len is None else self.prefill_len
         if not 1 <= prefill_len < self.context:
             raise NpuqError(f"--prefill-len {prefill_len} must be at least 1 and below --context {self.context}")
-        layer_inputs, act_order = resolve_recovery(self.seq_mse, self.weight_rounding, self.layer_inputs, self.act_order)
-        if not self.recovers:  # nothing fits layers: the two choices mean nothing
-            layer_inputs, act_order = None, None
         object.__setattr__(self, "prefill_len", prefill_len)
-        object.__setattr__(self, "layer_inputs", layer_inputs)
-        object.__setattr__(self, "act_order", act_order)
+        if self.act_order and self.weight_rounding != "gptq":
+            raise NpuqError("--act-order orders GPTQ's rounding and does nothing with nearest rounding: "
+                            "add --weight-rounding gptq, or drop --act-order")
+        gptq = None
+        if self.weight_rounding == "gptq":
+            gptq = GptqOptions() if self.act_order is None else GptqOptions(act_order=self.act_order)
+        recovery = RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs,
+                                   gptq)  # its checks, and its defaults filled in
+        # the resolved choices, so two records that quantize alike are equal; none without SeqMSE or GPTQ
+        object.__setattr__(self, "layer_inputs", recovery.layer_inputs if recovery.recovers else None)
+        object.__setattr__(self, "act_order", (recovery.gptq is not None and recovery.gptq.act_order)
+                           if recovery.recovers else None)
 
     @property
-    def recovers(self) -> bool:
-        """SeqMSE or GPTQ is on."""
-        return self.seq_mse is not None or self.weight_rounding != "nearest"
+    def recovery(self) -> RecoveryOptions | None:
+        """The SeqMSE/GPTQ options as the driver takes them; None when neither is on."""
+        if not (self.seq_mse is not None or self.weight_rounding != "nearest"):
+            return None
+        gptq = GptqOptions(act_order=self.act_order) if self.weight_rounding == "gptq" else None
+        return RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs, gptq)
 
     @property
     def phase(self) -> str:
@@ -168,17 +177,14 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
             print(rotation.describe(), file=sys.stderr, flush=True)
     plan = ctx.plan_model(loaded.model, (o.phase,), o.context)
     weight_scales, optimized = None, None
-    if o.recovers:
+    if o.recovery is not None:
         from npuq.calibrate.split import split_windows
 
         weights_sha256()  # the recovery writes its rounded weights in place: the hash first
 
         with ctx.scope(o.phase):
-            weight_scales, optimized = optimize_for_recipe(
-                loaded.model, recipe, split_windows(tokens, o.context), seq_mse=o.seq_mse,
-                granularity=o.seq_mse_granularity, rounding=o.weight_rounding, progress=ctx.progress,
-                device=ctx.device, inputs=o.layer_inputs, act_order=o.act_order,
-            )
+            weight_scales, optimized = optimize_for_recipe(loaded.model, recipe, split_windows(tokens, o.context),
+                                                           o.recovery, progress=ctx.progress, device=ctx.device)
     qm = quantize_model(
         loaded.model, recipe, tokens, context=o.context, mode=o.calibration_mode, prefill_len=o.prefill_len,
         batch_size=o.batch_size, num_threads=ctx.threads(o.phase), progress=ctx.progress,
