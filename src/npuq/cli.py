@@ -233,7 +233,7 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
                    help="also make the folder an onnxruntime-genai model folder (og.Model(folder)): genai_config.json "
                         "(model.type decoder-pipeline), the tokenizer files and small CPU stages around the same "
                         "graphs. CACHE is the KV-cache contract: windowed, the one onnxruntime-genai runs on a "
-                        "Snapdragon NPU (QNN HTP device; needs uint8 KV, a recipe with \"kv_bits\": 8; KV inputs "
+                        "Snapdragon NPU (QNN HTP device; needs uint8 KV: a recipe file with 8-bit KV, as its error shows; KV inputs "
                         "declared [KV, 1, ...]), or shared, the one its CPU provider runs (any KV type) "
                         "(default: off)")
 
