@@ -45,7 +45,7 @@ class QuantizeOptions:
     seq_mse: int | None = None  # candidate scales per weight; None: min/max scales
     seq_mse_granularity: str = "channel"
     weight_rounding: str = "nearest"
-    layer_inputs: str | None = None  # None: resolve_recovery's default when recovery is on
+    layer_inputs: str | None = None  # None: "quantized" when recovery is on (RecoveryOptions)
     act_order: bool | None = None  # None: on with GPTQ
     rotate: str | None = None  # ROTATE_CHOICES; None: the recipe's (built-in 4-bit recipes: r1)
 
