@@ -36,7 +36,7 @@ from npuq.pipeline.programs import Programs, open_programs
 from npuq.pipeline.stages import RunDir
 from npuq.quantize.stage import QuantizeResult, check_quantize, quantize_to_artifact
 from npuq.records import from_json, record_key, to_json
-from npuq.runs import PROMPTS, RunOptions, RunResults  # noqa: F401  (PROMPTS: the CLI's default prompts)
+from npuq.runs import RunOptions, RunResults
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.generate import GenerationsInputs, GenerationsResult, run_generations
 from npuq.runtime.tuning import ThreadsResult, run_threads
