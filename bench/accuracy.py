@@ -48,6 +48,8 @@ from npuq.quantize.pt2e import SCORING_BATCH, quantize_model
 from npuq.quant.recipe import ROTATIONS, load_recipe
 from npuq.quantize.stage import ROTATION_SEED
 from npuq.data.corpora import corpus_tokens
+from npuq.optimize.driver import RecoveryOptions
+from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.recovery import optimize_for_recipe
 from npuq.optimize.rotate import rotate_model
 from npuq.runtime.runner import forward_logits
@@ -193,10 +195,11 @@ def main() -> None:
         start = time.perf_counter()
         scales = None
         if spec["seq_mse"] is not None or spec["rounding"] != "nearest":
+            gptq = GptqOptions(act_order=bool(spec["act_order"])) if spec["rounding"] == "gptq" else None
+            recovery = RecoveryOptions(spec["seq_mse"], spec["granularity"] or "channel", spec["rounding"],
+                                       spec["layer_inputs"], gptq)
             scales, summary = optimize_for_recipe(
-                model, recipe, split_windows(calibs[spec["calib"]], args.context), seq_mse=spec["seq_mse"],
-                granularity=spec["granularity"] or "channel", rounding=spec["rounding"], progress=False,
-                inputs=spec["layer_inputs"], act_order=bool(spec["act_order"]))
+                model, recipe, split_windows(calibs[spec["calib"]], args.context), recovery, progress=False)
             row.update(optimize=summary)
         row["optimize_seconds"] = time.perf_counter() - start
         qm = quantize_model(model, recipe, calibs[spec["calib"]], context=args.context, weight_scales=scales)

@@ -37,6 +37,7 @@ LAYERS = (
     ("quantize",),                       # the quantize stage: PT2E flow and the artifact it writes
     ("eval",),                           # perplexity and per-layer error over any logits callable
     ("lower",),                          # target, builders, ONNX writer, ORT sessions of an export
+    ("runs",),                           # npuq run's options and typed results, as the report reads them
     ("report",),                         # report.json / report.html of a run
     ("pipeline",),                       # npuq run: cached stages, programs of any folder
     ("cli",),                            # the command line

@@ -14,7 +14,7 @@ from npuq.eval.perplexity import EvalOptions
 from npuq.lower.export import ExportOptions
 from npuq.lower.manifest import (EXPORT_FORMAT, ArtifactRef, GraphEntry, IOEncoding, IOEntry, LoweringChoices, Manifest,
                                  TargetInfo, TokenizerRef)
-from npuq.pipeline.job import RunOptions
+from npuq.runs import RunOptions
 from npuq.quant.recipe import RECIPES
 from npuq.quantize.artifact import ArtifactConfig, ModelInfo, ProgramEntry
 from npuq.quantize.stage import QuantizeOptions

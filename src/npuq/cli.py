@@ -10,17 +10,16 @@ when it runs, so ``npuq --help`` and a usage error never load it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from dataclasses import replace
 from typing import Any, Callable
 
 from npuq.data import load_corpus
-from npuq.data.corpora import replaced_characters
 from npuq.errors import NpuqError
 from npuq.fsio import write_json
 from npuq.quant.recipe import RECIPES, ROTATE_CHOICES
@@ -145,19 +144,19 @@ def _check_fits(context: int, prefill_len: int | None = None, max_new_tokens: in
                         f"use at most {context - 1}, or raise --context")
 
 
+def _record_of(cls: type, args: argparse.Namespace, **given: Any) -> Any:
+    """The options record ``cls`` from the flags of the same names (checked on construction);
+    ``given`` fills the fields that have no flag of that name."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**{**values, **given})
+
+
 def _quantize_options(args: argparse.Namespace) -> Any:
-    """The QuantizeOptions of ``_add_quantize_options``' flags (checked on construction)."""
+    """The QuantizeOptions of ``_add_quantize_options``' flags."""
     # loaded on use (torch): --help stays fast
     from npuq.quantize.stage import QuantizeOptions
 
-    return QuantizeOptions(
-        model=args.model, scheme=args.scheme, recipe=args.recipe, calib_corpus=args.calib_corpus,
-        calib_tokens=args.calib_tokens, context=args.context,
-        calibration_mode=getattr(args, "calibration_mode", "onepass"), prefill_len=args.prefill_len,
-        batch_size=args.batch_size, seq_mse=args.seq_mse, seq_mse_granularity=args.seq_mse_granularity,
-        weight_rounding=args.weight_rounding, layer_inputs=args.layer_inputs, act_order=args.act_order,
-        rotate=args.rotate, parts=args.parts, bits_per_weight=args.bits_per_weight,
-    )
+    return _record_of(QuantizeOptions, args)
 
 
 def _parts(text: str) -> int | None:
@@ -167,13 +166,11 @@ def _parts(text: str) -> int | None:
 
 
 def _export_options(args: argparse.Namespace) -> Any:
-    """The ExportOptions of ``_add_target_options``' flags (checked on construction)."""
+    """The ExportOptions of ``_add_target_options``' flags."""
     # loaded on use (torch): --help stays fast
     from npuq.lower.export import ExportOptions
 
-    return ExportOptions(qnn_version=args.qnn_version, htp_arch=args.htp_arch, soc=args.soc,
-                         embedding_pattern=args.embedding_pattern, embedding_storage=args.embedding_storage,
-                         compile=args.compile, share_weights=args.share_weights, genai=args.genai)
+    return _record_of(ExportOptions, args)
 
 
 def _add_quantize_options(p: argparse.ArgumentParser) -> None:
@@ -262,7 +259,7 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
                    help="also make the folder an onnxruntime-genai model folder (og.Model(folder)): genai_config.json "
                         "(model.type decoder-pipeline), the tokenizer files and small CPU stages around the same "
                         "graphs. CACHE is the KV-cache contract: windowed, the one onnxruntime-genai runs on a "
-                        "Snapdragon NPU (QNN HTP device; needs uint8 KV, a recipe with \"kv_bits\": 8; KV inputs "
+                        "Snapdragon NPU (QNN HTP device; needs uint8 KV: a recipe file with 8-bit KV, as its error shows; KV inputs "
                         "declared [KV, 1, ...]), or shared, the one its CPU provider runs (any KV type) "
                         "(default: off)")
 
@@ -309,7 +306,8 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- eval
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     # loaded on use (torch): --help stays fast
-    from npuq.eval.perplexity import EvalOptions, check_context, evaluate_model
+    from npuq.eval.perplexity import EvalOptions, check_context
+    from npuq.eval.stage import EvalInputs, run_eval
     from npuq.models import DEFAULT_MAX_CONTEXT, load_model
 
     if args.tasks:
@@ -317,7 +315,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     for flag in ("include_path", "limit", "num_fewshot"):
         if getattr(args, flag) is not None:
             raise NpuqError(f"--{flag.replace('_', '-')} applies to --tasks: add --tasks NAME[,NAME], or drop it")
-    options = EvalOptions(args.corpus, args.split, args.context, args.max_docs, args.max_tokens, args.batch_size)
+    options = _record_of(EvalOptions, args)
     if args.stream and (args.artifact or args.onnx):
         raise NpuqError("--stream runs the float --model block by block; --artifact and --onnx graphs are not streamed")
     if args.kl_divergence and not (args.artifact or args.onnx):
@@ -326,23 +324,10 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     ctx = _context_of(args)  # cheap checks before the model loads
     documents = load_corpus(options.corpus, options.split)
     if args.artifact or args.onnx:  # prefill chunks and decode steps from an empty cache, as on the device
-        # loaded on use (torch): --help stays fast
-        from npuq.runtime.runner import forward_logits
-
         programs, loaded = _open_graphs(args, ctx, options.context)
-        encoder, reference_fn = loaded.encoder, None
-        if args.kl_divergence:  # the float model scores each batch of windows right after the graphs
-            model = loaded.model.to(ctx.device)
-            reference_fn = lambda tokens: forward_logits(model, tokens)  # noqa: E731
-            reference = {"model": loaded.name}
-        del loaded  # without --kl-divergence the float weights were for the thread plan only: not held
-        with ctx.scope("prefill") as threads:
-            result = programs.evaluate(encoder, documents, options.context, max_docs=options.max_docs,
-                                       max_tokens=options.max_tokens, progress=True, device=ctx.device,
-                                       reference_fn=reference_fn)
-        result = replace(result, threads=threads)
-        if result.reference is not None:
-            result = replace(result, reference={**reference, **result.reference})
+        # without --kl-divergence the float weights were for the thread plan only: not held
+        inputs = EvalInputs(documents, loaded if args.kl_divergence else None, programs, loaded.encoder)
+        del loaded
     elif args.stream:  # whole windows, one block resident at a time (docs/design.md §13)
         # loaded on use (torch): --help stays fast
         from npuq.models import open_streamed
@@ -352,20 +337,14 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         check_context(options.context, loaded.config.max_position_embeddings)
         # Not tuned: a tuning forward would read every weight several times. A whole-window
         # forward is matrix-matrix work, fastest on every core (docs/design.md §4).
-        result = evaluate_model(
-            loaded, documents, options.context, batch_size=options.batch_size, max_docs=options.max_docs,
-            max_tokens=options.max_tokens, num_threads=ctx.requested or cpu_ceiling(), progress=True,
-        )
+        ctx.adopt({"calibrate": ctx.requested or cpu_ceiling()}, source="user" if ctx.requested else "auto")
+        inputs = EvalInputs(documents, loaded)
     else:  # whole windows: the calibrate phase's shape
         loaded = load_model(args.model, max_context=options.context if options.context > DEFAULT_MAX_CONTEXT else None)
         check_context(options.context, loaded.config.max_position_embeddings)
         ctx.plan_model(loaded.model, ("calibrate",), options.context)
-        result = evaluate_model(
-            loaded, documents, options.context, batch_size=options.batch_size, max_docs=options.max_docs,
-            max_tokens=options.max_tokens, num_threads=ctx.threads("calibrate"), progress=True, device=ctx.device,
-        )
-    result = replace(result, corpus=options.corpus, split=None if options.corpus.startswith("file:") else options.split,
-                     replacement_characters=replaced_characters(documents))  # non-UTF-8 bytes read as U+FFFD
+        inputs = EvalInputs(documents, loaded)
+    result = run_eval(options, inputs, ctx)
     print(result.describe())
     print(f"[{result.tokens} tokens, {result.words} words, {result.bytes} bytes in {result.documents} documents, "
           f"context {result.context}, {result.seconds:.1f} s, {result.threads} threads, {result.device}]",
@@ -444,44 +423,24 @@ def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
     # loaded on use (torch): --help stays fast
     from npuq.models import load_model
-    from npuq.threads import cpu_limits, tune_cached
-    from npuq.runtime.workloads import PHASES, phase_workload
+    from npuq.records import to_json
+    from npuq.runtime.context import ExecutionContext
+    from npuq.runtime.tuning import ThreadsOptions, run_threads
+    from npuq.runtime.workloads import PHASES
 
-    phases = list(PHASES) if "all" in args.phase else list(dict.fromkeys(args.phase))
-    _check_fits(args.context, prefill_len=args.prefill_len)
-    loaded = load_model(args.model)
-    limits = cpu_limits()
-    print(f"ceiling {limits.ceiling} threads (affinity {limits.affinity} CPUs, cgroup quota "
-          f"{limits.quota or 'none'})", file=sys.stderr)
-    results = []
-    for phase in phases:
-        workload = phase_workload(loaded.model, phase, args.context, args.prefill_len if phase == "prefill" else None)
-
-        def progress(n: int, seconds: float | None, phase: str = phase) -> None:
-            shown = "failed" if seconds is None else f"{seconds * 1e3:.1f} ms"
-            print(f"  {phase:<9} {n:>3} threads  {shown}", file=sys.stderr)
-
-        results.append(tune_cached(phase, workload, ceiling=limits.ceiling, retune=args.retune, on_candidate=progress))
-    print(f"{'phase':<10}{'best':>5}{'ms/step':>10}{'default':>9}{'speedup':>9}{'tuning s':>10}  cached")
-    for r in results:
-        ms = "-" if r.best_seconds is None else f"{r.best_seconds * 1e3:.1f}"
-        speedup = "-" if r.speedup_vs_default is None else f"{r.speedup_vs_default:.2f}x"
-        print(f"{r.phase:<10}{r.best:>5}{ms:>10}{r.default_threads:>9}{speedup:>9}{r.tuning_seconds:>10.1f}  {r.cached}")
+    phases = PHASES if "all" in args.phase else tuple(dict.fromkeys(args.phase))
+    options = _record_of(ThreadsOptions, args, phases=phases)  # checked before the model loads
+    result = run_threads(options, load_model(options.model).model, ExecutionContext.create("cpu", progress=True))
+    print(result.describe())
     if args.plot:
         # loaded on use (torch): --help stays fast
         from npuq.threads.plot import plot_results
 
-        plot_results(results, args.plot, title=f"{args.model}, context {args.context}, ceiling {limits.ceiling}")
-    return {
-        "model": args.model,
-        "context": args.context,
-        "prefill_len": args.prefill_len,
-        "affinity_cpus": limits.affinity,
-        "cgroup_quota_cpus": limits.quota,
-        "ceiling": limits.ceiling,
-        "plan": {r.phase: r.best for r in results},
-        "results": [r.to_dict() for r in results],
-    }
+        plot_results(result.tune_results(), args.plot,
+                     title=f"{options.model}, context {options.context}, ceiling {result.ceiling}")
+    out = to_json(result)
+    out["results"] = out.pop("sweeps")  # this command's JSON has always named them "results"
+    return out
 
 
 # --------------------------------------------------------------------------- quantize
@@ -514,7 +473,8 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- run
 def cmd_run(args: argparse.Namespace) -> dict[str, Any]:
     # loaded on use (torch): --help stays fast
-    from npuq.pipeline.job import PROMPTS, RunOptions, run_job
+    from npuq.pipeline.job import run_job
+    from npuq.runs import PROMPTS, RunOptions
 
     options = RunOptions(
         quantize=_quantize_options(args), export=_export_options(args), eval_corpus=args.eval_corpus,

@@ -23,7 +23,7 @@ from npuq.data.corpora import Document
 from npuq.eval.perplexity import evaluate_model
 from npuq.models import LoadedModel
 from npuq.testing.tiny import tiny_decoder
-from npuq.optimize.driver import WeightSpec, optimize_weights
+from npuq.optimize.driver import RecoveryOptions, WeightSpec, optimize_weights
 from npuq.optimize.gptq import gptq_codes
 from npuq.optimize.seqmse import minmax_scale
 from npuq.quantize.passes import fold_constant_dequant
@@ -140,8 +140,10 @@ def test_seq_mse_and_gptq_follow_the_weights(lazy):
     specs = {n: WeightSpec(bits=4) for n in ("layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj",
                                              "layers.1.mlp.down_proj")}
     windows = [_tokens((1, CONTEXT))]
-    cpu, _ = optimize_weights(copy.deepcopy(model), windows, specs, seq_mse=4, rank=None, progress=False)
-    on_device, _ = optimize_weights(copy.deepcopy(model).to(lazy), windows, specs, seq_mse=4, rank=None, progress=False)
+    cpu, _ = optimize_weights(copy.deepcopy(model), windows, specs, RecoveryOptions(4, layer_inputs="float"), rank=None,
+                              progress=False)
+    on_device, _ = optimize_weights(copy.deepcopy(model).to(lazy), windows, specs, RecoveryOptions(4, layer_inputs="float"),
+                                    rank=None, progress=False)
     for name in specs:
         r, c = on_device[name], cpu[name]
         assert r.scale.device.type == r.codes.device.type == "cpu"  # results come back to the host

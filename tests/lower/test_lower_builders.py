@@ -11,7 +11,7 @@ from torch import nn
 from npuq.lower.qparams import quantize
 from qdq_noise import REQUANT
 from npuq.lower.onnx_writer import UnsupportedOp, lower_program
-from npuq.lower.registry import LowerOptions
+from npuq.lower.registry import EMBEDDING_NOTE, LowerOptions
 from npuq.lower.target import QnnVersion, Target
 from npuq.lower.ort import cpu_session
 from pt2e_tiny import quantize_module
@@ -105,7 +105,7 @@ def _embedding_case(pattern, storage, version="2.51"):
 ])
 def test_pcq_embedding_patterns(pattern, storage, version, used, bound):
     diff, lg = _embedding_case(pattern, storage, version)
-    [note] = [n for n in lg.notes if n.kind == "embedding_pattern"]
+    [note] = [n for n in lg.notes if n.kind == EMBEDDING_NOTE]
     assert note.detail["pattern"] == used
     if used == "optimized":
         assert diff.max() <= bound

@@ -7,9 +7,11 @@ from npuq.testing.tiny import tiny_decoder
 from npuq.optimize.driver import (
     WeightSpec,
     collect_grams,
+    RecoveryOptions,
     optimize_weights,
     sequential_groups,
 )
+from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.seqmse import fake_quantize, minmax_scale
 from npuq.runtime.runner import forward_logits
 
@@ -45,8 +47,10 @@ def test_optimized_weights_lie_on_the_grid_and_reduce_the_error():
     _, model = tiny_decoder("qwen3", seed=2)
     names = _linears(model)
     specs = {n: WeightSpec(bits=4) for n in names}
-    results, timings = optimize_weights(model, _windows(model.config.vocab_size), specs, seq_mse=20,
-                                        rounding="gptq", rank=None, progress=False)
+    results, timings = optimize_weights(model, _windows(model.config.vocab_size), specs,
+                                        RecoveryOptions(20, weight_rounding="gptq", layer_inputs="float",
+                                                        gptq=GptqOptions(act_order=False)),
+                                        rank=None, progress=False)
     for name in names:
         r = results[name]
         w = dict(model.named_modules())[name].weight

@@ -225,14 +225,15 @@ def test_an_outlier_channel_is_spread_out():
 
 def test_seqmse_and_gptq_run_on_rotated_weights():
     from npuq.calibrate.split import split_windows
+    from npuq.optimize.driver import RecoveryOptions
     from npuq.optimize.recovery import optimize_for_recipe
     from npuq.quant.recipe import load_recipe
 
     _, model = tiny_decoder("qwen2", seed=1)  # biases on q/k/v (v's rotated by R2)
     rotate_model(model, r1=True, r2=True)
     calib = _tokens(model.config.vocab_size, (4 * 32,), 3)
-    scales, summary = optimize_for_recipe(model, load_recipe("16a4w"), split_windows(calib, 32), seq_mse=20,
-                                          granularity="channel", rounding="gptq", progress=False)
+    scales, summary = optimize_for_recipe(model, load_recipe("16a4w"), split_windows(calib, 32),
+                                          RecoveryOptions(seq_mse=20, weight_rounding="gptq"), progress=False)
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert sorted(scales) == sorted(linears)
     for name, s in scales.items():

@@ -29,13 +29,13 @@ from npuq.pipeline.stages import RunDir
 
 out = Path(sys.argv[1])
 run = RunDir(out)
-run.stage("model", {"v": 1}, lambda folder: {"layers": 2})
+run.stage("model", "k1", lambda folder: {"layers": 2})
 write_json(out / "report.json", {"run": 1})
 if sys.argv[2] == "hang":
     def build(folder):
         print("held", flush=True)
         sys.stdin.read()
-    run.stage("quantize", {"v": 1}, build)
+    run.stage("quantize", "k1", build)
 print("held", flush=True)
 sys.stdin.readline()
 run.finish()
@@ -104,7 +104,7 @@ def test_a_live_run_is_not_reported_as_interrupted_a_killed_one_is(tmp_path, sta
     run1.wait(timeout=30)
     with RunDir(out) as resumed:  # the OS dropped the lock with the process
         assert resumed.interrupted["pid"] == run1.pid and resumed.interrupted["stage"] == "quantize"
-        _, result = resumed.stage("model", {"v": 1}, lambda folder: pytest.fail("a finished stage is reused"))
+        _, result = resumed.stage("model", "k1", lambda folder: pytest.fail("a finished stage is reused"))
         assert result == {"layers": 2}
         resumed.finish()
     assert not (out / MARKER).exists() and not resumed.locked

@@ -2,12 +2,13 @@
 
 import pytest
 
-from npuq.pipeline.stages import MARKER, RunDir, stage_key
+from npuq.pipeline.stages import MARKER, RunDir
+from npuq.records import record_key
 
 
 def test_key_is_stable_and_order_free():
-    assert stage_key({"a": 1, "b": [1, 2]}) == stage_key({"b": [1, 2], "a": 1})
-    assert stage_key({"a": 1}) != stage_key({"a": 2})
+    assert record_key({"a": 1, "b": [1, 2]}) == record_key({"b": [1, 2], "a": 1})
+    assert record_key({"a": 1}) != record_key({"a": 2})
 
 
 def test_reuse_and_rebuild(tmp_path):
@@ -19,11 +20,11 @@ def test_reuse_and_rebuild(tmp_path):
         return {"value": len(calls)}
 
     run = RunDir(tmp_path)
-    f1, r1 = run.stage("calibrate", {"scheme": "16a8w"}, build)
-    f2, r2 = run.stage("calibrate", {"scheme": "16a8w"}, build)
-    f3, r3 = run.stage("calibrate", {"scheme": "16a4w"}, build)
+    f1, r1 = run.stage("calibrate", record_key({"scheme": "16a8w"}), build)
+    f2, r2 = run.stage("calibrate", record_key({"scheme": "16a8w"}), build)
+    f3, r3 = run.stage("calibrate", record_key({"scheme": "16a4w"}), build)
     assert f1 == f2 and r1 == r2 == {"value": 1} and f3 != f1 and r3 == {"value": 2}
-    assert [e["cached"] for e in run.log] == [False, True, False]
+    assert [e.cached for e in run.log] == [False, True, False]
     assert (f1 / "data.txt").read_text() == "x"
 
 
@@ -34,7 +35,7 @@ def test_failed_stage_leaves_nothing_and_marker_reports_it(tmp_path):
 
     run = RunDir(tmp_path)
     with pytest.raises(KeyboardInterrupt):
-        run.stage("export", {"v": 1}, boom)
+        run.stage("export", record_key({"v": 1}), boom)
     assert not list((tmp_path / "stages").glob("export-*"))
     assert not list((tmp_path / "stages").glob(".*"))  # no temporary folder left either
     again = RunDir(tmp_path)

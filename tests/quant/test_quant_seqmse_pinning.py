@@ -8,6 +8,8 @@ from npuq.errors import NpuqError
 from npuq.testing.tiny import tiny_decoder
 from npuq.quantize.pt2e import quantize_model
 from npuq.quant.recipe import load_recipe
+from npuq.optimize.driver import RecoveryOptions
+from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.recovery import optimize_for_recipe
 from npuq.runtime.runner import forward_logits
 
@@ -27,8 +29,8 @@ def test_optimized_scales_land_in_the_encodings(rounding):
     recipe = load_recipe("16a4w")
     tokens = _tokens(model.config.vocab_size, 96)
     windows = split_windows(tokens, 32)
-    scales, summary = optimize_for_recipe(model, recipe, windows, seq_mse=20, granularity="channel",
-                                          rounding=rounding, progress=False)
+    scales, summary = optimize_for_recipe(model, recipe, windows, RecoveryOptions(seq_mse=20, weight_rounding=rounding),
+                                          progress=False)
     assert summary["layers"] == len(scales) and summary["output_error_reduction"] > 0
     qm = quantize_model(model, recipe, tokens, context=32, weight_scales=scales)
     params = {e["name"]: e for e in qm.encodings["param_encodings"]}
@@ -50,8 +52,7 @@ def test_bad_candidate_count_is_refused():
     _, model = tiny_decoder("llama", max_context=32)
     windows = split_windows(_tokens(model.config.vocab_size, 64), 32)
     with pytest.raises(NpuqError, match="at least 1"):
-        optimize_for_recipe(model, load_recipe("16a4w"), windows, seq_mse=0, granularity="channel",
-                            rounding="nearest", progress=False)
+        optimize_for_recipe(model, load_recipe("16a4w"), windows, RecoveryOptions(seq_mse=0), progress=False)
 
 
 def test_sixteen_bit_weights_are_left_alone_and_a_recipe_of_only_those_is_refused():
@@ -61,16 +62,15 @@ def test_sixteen_bit_weights_are_left_alone_and_a_recipe_of_only_those_is_refuse
     before = {k: v.clone() for k, v in model.state_dict().items()}
     windows = split_windows(_tokens(model.config.vocab_size, 64), 32)
     mixed = Recipe("16a4w", (Rule("16a16w", op="linear", path=r"layers\.\d+\.mlp\.down_proj", priority=1),))
-    scales, _ = optimize_for_recipe(model, mixed, windows, seq_mse=None, granularity="channel", rounding="gptq",
-                                    progress=False)
+    scales, _ = optimize_for_recipe(model, mixed, windows, RecoveryOptions(weight_rounding="gptq"), progress=False)
     after = model.state_dict()
     down = [k for k in before if "down_proj.weight" in k]
     assert down and all(torch.equal(before[k], after[k]) for k in down)  # 16-bit: kept as they are
     assert not any("down_proj" in path for path in scales)
     assert not torch.equal(before["layers.0.mlp.up_proj.weight"], after["layers.0.mlp.up_proj.weight"])  # 4-bit: rounded
     with pytest.raises(NpuqError, match="do not apply to recipe '16a16w'.*drop"):
-        optimize_for_recipe(model, load_recipe("16a16w"), windows, seq_mse=None, granularity="channel",
-                            rounding="gptq", progress=False)
+        optimize_for_recipe(model, load_recipe("16a16w"), windows, RecoveryOptions(weight_rounding="gptq"),
+                            progress=False)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -80,11 +80,12 @@ def test_sixteen_bit_weights_are_left_alone_and_a_recipe_of_only_those_is_refuse
     ({"seq_mse": None, "weight_rounding": "stochastic", "layer_inputs": "float", "act_order": False}, "choose one of"),
 ])
 def test_recovery_options_that_do_not_fit_together_are_refused(options, message):
-    from npuq.optimize.recovery import resolve_recovery
+    from npuq.quantize.stage import QuantizeOptions
 
     with pytest.raises(NpuqError, match=message):
-        resolve_recovery(**options)
-    resolve_recovery(50, "gptq", "quantized", True)  # all of them together are fine
+        QuantizeOptions(**options)
+    both = QuantizeOptions(seq_mse=50, weight_rounding="gptq", layer_inputs="quantized", act_order=True)  # all fine
+    assert both.recovery == RecoveryOptions(50, "channel", "gptq", "quantized", GptqOptions(act_order=True))
 
 
 def test_lpbq_scales_follow_the_observer_rule():
@@ -108,8 +109,8 @@ def test_lpbq_blocks_land_in_the_encodings(seq_mse):
     _, model = tiny_decoder("llama", seed=4, max_context=32)
     recipe = load_recipe("16a4w_block")
     tokens = _tokens(model.config.vocab_size, 96)
-    scales, summary = optimize_for_recipe(model, recipe, split_windows(tokens, 32), seq_mse=seq_mse,
-                                          granularity="channel", rounding="gptq", progress=False)
+    scales, summary = optimize_for_recipe(model, recipe, split_windows(tokens, 32),
+                                          RecoveryOptions(seq_mse, weight_rounding="gptq"), progress=False)
     assert summary["output_error_reduction"] > 0 and all(s.dim() == 2 for s in scales.values())
     qm = quantize_model(model, recipe, tokens, context=32, weight_scales=scales)
     params = {e["name"]: e for e in qm.encodings["param_encodings"]}

@@ -17,6 +17,7 @@ module, which is how the two sides are paired.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
@@ -24,8 +25,10 @@ from typing import Any, Sequence
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
+from npuq.data.corpora import corpus_tokens
 from npuq.models.config import ModelConfig
 from npuq.quant.graph import attr_tensor
+from npuq.runtime.context import ExecutionContext
 from npuq.runtime.runner import StaticRunner
 
 LINEAR = torch.ops.aten.linear.default
@@ -141,3 +144,43 @@ def worst(errors: Sequence[LayerError], n: int = 5) -> list[LayerError]:
     """The ``n`` layers with the lowest weight SQNR (where the weight grid does the most damage)."""
     ranked = [e for e in errors if e.weight_sqnr_db is not None]
     return sorted(ranked, key=lambda e: e.weight_sqnr_db)[:n]
+
+
+@dataclass(frozen=True)
+class LayersOptions:
+    """What the per-layer comparison runs on: the first ``tokens`` tokens of ``corpus``'s eval split."""
+
+    corpus: str = "builtin"
+    tokens: int = 32  # one prefill chunk of the default length
+
+
+@dataclass(frozen=True)
+class LayersInputs:
+    tokenizer: Any
+    model: torch.nn.Module  # the float model as loaded (left as it is)
+    rotation: dict[str, Any] | None  # the RotationReport the quantize stage folded into the graphs' weights
+    graphs: dict[int, GraphModule]  # ar_len → quantized program
+    config: ModelConfig
+    context: int
+
+
+@dataclass(frozen=True)
+class LayersResult:
+    tokens: int
+    layers: tuple[LayerError, ...]  # in the programs' execution order
+
+
+def run_layers(options: LayersOptions, inputs: LayersInputs, ctx: ExecutionContext) -> LayersResult:
+    """:func:`layer_errors` of the quantized graphs against the float model in their basis: with a
+    rotation, against a rotated copy of the float model (same seed, so the same matrices); the
+    float model given is never changed."""
+    ids = corpus_tokens(inputs.tokenizer, options.corpus, options.tokens, split="eval")
+    model = inputs.model
+    if inputs.rotation:
+        from npuq.optimize.rotate import rotate_as
+
+        model = copy.deepcopy(model)
+        rotate_as(model, inputs.rotation)
+    with ctx.scope("prefill"):
+        errors = layer_errors(model, inputs.graphs, inputs.config, inputs.context, ids)
+    return LayersResult(len(ids), tuple(errors))

@@ -50,7 +50,7 @@ from npuq.lower import genai
 from npuq.lower.manifest import (EXPORT_FORMAT, GENAI_CACHES, KV_PREFIXES, ArtifactRef, EncodingsFile, GraphEntry,
                                  GraphEncodingsFile, LoweringChoices, Manifest, TargetInfo, TokenizerRef)
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program, share_model_qdq_params
-from npuq.lower.registry import LowerOptions
+from npuq.lower.registry import EMBEDDING_NOTE, LowerOptions
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.models import load_tokenizer
 from npuq.quantize.artifact import load_program, program_path, read_artifact
@@ -146,7 +146,7 @@ def _embedding_summary(notes_by_graph: dict[str, list]) -> tuple[str, dict[str, 
     per_node: dict[str, dict] = {}
     for notes in notes_by_graph.values():
         for n in notes:
-            if n.kind == "embedding_pattern":
+            if n.kind == EMBEDDING_NOTE:
                 per_node[n.node] = dict(n.detail)
     patterns = sorted({d["pattern"] for d in per_node.values()})
     return (patterns[0] if len(patterns) == 1 else ",".join(patterns)) if patterns else "plain", per_node
@@ -323,7 +323,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                 outputs=tuple(s.entry() for s in lowered[kind].outputs),
                 builders=lowered[kind].builders,
                 notes=tuple({"kind": n.kind, "node": n.node, **n.detail} for n in lowered[kind].notes
-                            if n.kind != "embedding_pattern"),
+                            if n.kind != EMBEDDING_NOTE),
                 kv_heads_first=True if options.genai == "windowed" else None,
             )
         check_kv_encodings(lowered)

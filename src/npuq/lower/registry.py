@@ -23,22 +23,25 @@ EMBEDDING_PATTERNS = ("auto", "legacy", "optimized")
 EMBEDDING_STORAGE = ("u16", "int8-rowscale")
 
 
+EMBEDDING_NOTE = "embedding"  # the kind of the note each embedding builder leaves: the pattern it chose
+
+
 @dataclass(frozen=True)
 class LowerOptions:
     """User choices that pick among patterns."""
 
-    embedding_pattern: str = "auto"  # auto = optimized when the SDK is >= 2.48, else legacy
+    embedding: str = "auto"  # the embedding pattern: auto = optimized when the SDK is >= 2.48, else legacy
     embedding_storage: str = "u16"  # how the optimized pattern stores the table
 
     def __post_init__(self) -> None:
-        if self.embedding_pattern not in EMBEDDING_PATTERNS:
-            raise NpuqError(f"unknown embedding pattern {self.embedding_pattern!r}; choose {', '.join(EMBEDDING_PATTERNS)}")
+        if self.embedding not in EMBEDDING_PATTERNS:
+            raise NpuqError(f"unknown embedding pattern {self.embedding!r}; choose {', '.join(EMBEDDING_PATTERNS)}")
         if self.embedding_storage not in EMBEDDING_STORAGE:
             raise NpuqError(f"unknown embedding storage {self.embedding_storage!r}; choose {', '.join(EMBEDDING_STORAGE)}")
 
     def variant_for(self, op: str) -> str | None:
-        if op == "aten.embedding.default" and self.embedding_pattern != "auto":
-            return self.embedding_pattern
+        if op == "aten.embedding.default" and self.embedding != "auto":
+            return self.embedding
         return None
 
 

@@ -31,8 +31,10 @@ from torch import nn
 from tqdm import tqdm
 
 from npuq.device import device_of
-from npuq.optimize.gptq import gptq_codes
+from npuq.errors import NpuqError
+from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.seqmse import (
+    GRANULARITIES,
     GramFactor,
     lpbq_scale,
     minmax_scale,
@@ -44,6 +46,45 @@ from npuq.runtime.runner import forward_logits
 ROUNDINGS = ("nearest", "gptq")
 INPUTS = ("float", "quantized")
 MAX_BITS = 8  # codes are int8; wider weights (16-bit) round with an error far below 16-bit activations'
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """SeqMSE and GPTQ over a whole model; each field is the ``npuq quantize`` flag of the same
+    name (``gptq``: its GPTQ flags). Checked once, on construction, where the defaults are filled
+    in: layer inputs "quantized" (each layer sees the rounding of all before it), and GPTQ's own
+    defaults (:class:`GptqOptions`) with GPTQ rounding."""
+
+    seq_mse: int | None = None  # candidate scales per weight; None: min/max scales
+    seq_mse_granularity: str = "channel"
+    weight_rounding: str = "nearest"
+    layer_inputs: str | None = None  # None: "quantized"
+    gptq: GptqOptions | None = None  # with weight_rounding "gptq" only; None: GptqOptions()
+
+    def __post_init__(self) -> None:
+        if self.seq_mse is not None and self.seq_mse < 1:
+            raise NpuqError(f"--seq-mse {self.seq_mse}: the number of candidate scales must be at least 1 "
+                            "(the published default is 50)")
+        if self.seq_mse_granularity not in GRANULARITIES:
+            raise NpuqError(f"--seq-mse-granularity {self.seq_mse_granularity!r}: choose one of "
+                            f"{', '.join(sorted(GRANULARITIES))}")
+        if self.weight_rounding not in ROUNDINGS:
+            raise NpuqError(f"--weight-rounding {self.weight_rounding!r}: choose one of {', '.join(ROUNDINGS)}")
+        if self.layer_inputs is not None and self.layer_inputs not in INPUTS:
+            raise NpuqError(f"--layer-inputs {self.layer_inputs!r}: choose one of {', '.join(INPUTS)}")
+        if self.layer_inputs is not None and not self.recovers:
+            raise NpuqError(f"--layer-inputs {self.layer_inputs} chooses what SeqMSE and GPTQ fit to, and neither "
+                            "is on: add --seq-mse N and/or --weight-rounding gptq, or drop --layer-inputs")
+        if self.gptq is not None and self.weight_rounding != "gptq":
+            raise NpuqError("GPTQ's options apply to --weight-rounding gptq only")
+        object.__setattr__(self, "layer_inputs", self.layer_inputs or "quantized")
+        if self.weight_rounding == "gptq" and self.gptq is None:
+            object.__setattr__(self, "gptq", GptqOptions())
+
+    @property
+    def recovers(self) -> bool:
+        """SeqMSE or GPTQ is on."""
+        return self.seq_mse is not None or self.weight_rounding != "nearest"
 
 
 @dataclass(frozen=True)
@@ -267,26 +308,18 @@ def optimize_weights(
     model: nn.Module,
     windows: list[torch.Tensor],
     specs: dict[str, WeightSpec],
-    seq_mse: int | None = 50,
-    granularity: str = "channel",
-    rounding: str = "nearest",
+    options: RecoveryOptions,
     rank: int | None = 64,
     progress: bool = True,
-    inputs: str = "float",
-    gptq_options: dict | None = None,
 ) -> tuple[dict[str, OptimizedWeight], dict[str, float]]:
     """Optimise every layer in ``specs`` (module path → WeightSpec) and write its weights back.
 
-    ``seq_mse`` None keeps min/max scales; ``rounding`` "gptq" replaces nearest rounding.
-    ``inputs`` "float" fits every layer to the float model's inputs; "quantized" to the inputs
-    the partly quantized model gives it (:func:`sequential_groups`). ``gptq_options`` go to
-    :func:`gptq_codes` (``damp``, ``act_order``).
+    ``options.seq_mse`` None keeps min/max scales; GPTQ rounding replaces nearest rounding.
+    Layer inputs "float" fit every layer to the float model's inputs; "quantized" to the inputs
+    the partly quantized model gives it (:func:`sequential_groups`).
     Returns (per-layer results, {"collect_seconds", "seq_mse_seconds", "rounding_seconds"}).
     """
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    if inputs not in INPUTS:
-        raise ValueError(f"inputs must be one of {INPUTS}, got {inputs!r}")
+    seq_mse, granularity, inputs = options.seq_mse, options.seq_mse_granularity, options.layer_inputs
     timings = {"collect_seconds": 0.0, "seq_mse_seconds": 0.0, "rounding_seconds": 0.0}
     names = list(specs)
     if inputs == "float":
@@ -334,8 +367,8 @@ def optimize_weights(
             scale = minmax_scale(weight, spec.bits, spec.block_size)
             loss_minmax = float("nan")
         t1 = time.perf_counter()
-        if rounding == "gptq":
-            codes = gptq_codes(weight, gram, scale, spec.bits, **(gptq_options or {}))
+        if options.gptq is not None:
+            codes = options.gptq.codes(weight, gram, scale, spec.bits)
         else:
             codes = quantize_codes(weight, scale, spec.bits).to(torch.int8)
         t2 = time.perf_counter()

@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,77 +28,22 @@ import torch
 
 from npuq import __version__
 from npuq.data import load_corpus
-from npuq.data.corpora import corpus_tokens
-from npuq.errors import NpuqError
-from npuq.eval.layers import layer_errors
-from npuq.eval.perplexity import EvalOptions, EvalResult, evaluate_model
+from npuq.eval.layers import LayersInputs, LayersResult, run_layers
+from npuq.eval.perplexity import EvalResult
+from npuq.eval.stage import EvalInputs, run_eval
 from npuq.fsio import atomic_dir, write_json, write_text
-from npuq.lower.export import ExportOptions, ExportResult, export_artifact
+from npuq.lower.export import ExportResult, export_artifact
 from npuq.models import load_model
 from npuq.models.sources import resolve
-from npuq.optimize.rotate import rotate_as
 from npuq.pipeline.programs import Programs, open_programs
 from npuq.pipeline.stages import RunDir
-from npuq.quantize.artifact import read_artifact
-from npuq.quantize.stage import QuantizeOptions, QuantizeResult, check_quantize, quantize_to_artifact
-from npuq.records import from_json, to_json
-from npuq.report.build import build_report
+from npuq.quantize.stage import QuantizeResult, check_quantize, quantize_to_artifact
+from npuq.records import from_json, record_key, to_json
+from npuq.runs import RunOptions, RunResults
 from npuq.runtime.context import ExecutionContext
-from npuq.runtime.generate import generate
-from npuq.runtime.runner import forward_logits
-from npuq.runtime.workloads import PHASES, phase_workload
-from npuq.threads import cpu_limits, cpu_model, tune_cached
-
-PROMPTS = (
-    "The capital of France is",
-    "def fibonacci(n):",
-    "The three most important things to know about the Python programming language are",
-)
-EVAL_BATCH = 4  # windows per forward of the float model
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Everything that decides a run's results: the quantize and export records of the single
-    commands, plus what the run evaluates and generates. Each stage is keyed on the records it
-    reads, hashed whole; where the work runs (device, threads) is the ExecutionContext's."""
-
-    quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
-    export: ExportOptions = field(default_factory=ExportOptions)
-    eval_corpus: str = "builtin"  # its eval split, disjoint from the calib split
-    eval_tokens: int = 4096
-    gen_tokens: int = 16
-    prompts: tuple[str, ...] = PROMPTS
-    sqnr_tokens: int = 32  # one prefill chunk of the default length
-
-    def __post_init__(self) -> None:
-        if self.eval_tokens < 2:
-            raise NpuqError(f"--eval-tokens {self.eval_tokens}: scoring needs at least 2 tokens")
-        if self.gen_tokens < 1 or self.sqnr_tokens < 1:
-            raise NpuqError("--gen-tokens must be at least 1")
-        if not self.prompts or not all(p.strip() for p in self.prompts):
-            raise NpuqError("--prompt needs some text")
-        if self.gen_tokens >= self.quantize.context:
-            raise NpuqError(f"--gen-tokens {self.gen_tokens} leaves no room for a prompt in --context "
-                            f"{self.quantize.context}: use at most {self.quantize.context - 1}")
-
-    @property
-    def model(self) -> str:
-        return self.quantize.model
-
-    @property
-    def eval(self) -> EvalOptions:
-        return EvalOptions(self.eval_corpus, "eval", self.quantize.context, max_tokens=self.eval_tokens,
-                           batch_size=EVAL_BATCH)
-
-
-@dataclass(frozen=True)
-class ThreadsResult:
-    ceiling: int
-    affinity_cpus: int
-    cgroup_quota_cpus: float | None
-    plan: dict[str, Any]  # phase → threads
-    sweeps: tuple[dict[str, Any], ...]  # npuq.threads.TuneResult.to_dict() per phase
+from npuq.runtime.generate import GenerationsInputs, GenerationsResult, run_generations
+from npuq.runtime.tuning import ThreadsResult, run_threads
+from npuq.threads import cpu_limits, cpu_model
 
 
 def model_identity(spec: str) -> dict[str, Any]:
@@ -125,6 +70,16 @@ def link_tree(source: Path, target: Path) -> None:
                 shutil.copy2(src, dst)
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a run: ``plan(job)`` returns (key, build, record type) of a cached stage,
+    ``build(folder)`` making the result; or None for the report, which is always made."""
+
+    name: str
+    title: str
+    plan: Callable[[Job], tuple[str, Callable[[Path], Any], type | None] | None]
+
+
 @dataclass
 class Job:
     options: RunOptions
@@ -133,10 +88,9 @@ class Job:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
-        self.results: dict[str, Any] = {}  # stage → its result (a record, or JSON for model/layers/generate)
+        self.results: dict[str, Any] = {}  # stage → its result record (the model stage: its description)
         self.folders: dict[str, Path] = {}
         self.keys: dict[str, str] = {}
-        self._rotated = False  # float_in_artifact_basis has rotated self.loaded.model
         self._tokenizer: Any = None
 
     def say(self, text: str) -> None:
@@ -145,7 +99,7 @@ class Job:
 
     @functools.cached_property
     def loaded(self) -> Any:
-        """The float model, loaded once and only if a stage has to be built."""
+        """The float model as loaded, once and only if a stage has to be built; no stage changes it."""
         return load_model(self.options.model, max_context=max(self.options.quantize.context, 4096))
 
     @property
@@ -162,44 +116,38 @@ class Job:
         if "loaded" in self.__dict__:
             self.tokenizer  # noqa: B018  (kept for the stages that need only the tokenizer)
             del self.__dict__["loaded"]
-            self._rotated = False
             release_memory()
 
-    def stage(self, name: str, inputs: dict[str, Any], build: Callable[[Path], Any], record: type | None = None) -> Any:
-        """Stage ``name`` keyed on ``inputs`` (records as their whole JSON, upstream keys, the
-        environment). ``build(folder)`` returns a ``record`` (stored as JSON, read back typed)
-        or a JSON-able dict."""
-        self.say(f"[{STAGES.index(name) + 1}/{len(STAGES)}] {name}: {STAGE_TITLES[name]}")
-        folder, data = self.run.stage(name, inputs, lambda tmp: _plain(build(tmp)))
+    def run_stage(self, number: int, stage: Stage) -> None:
+        """Stage ``stage`` under its key: reused when its folder is complete, else built; its
+        result (a record, stored as JSON and read back typed) goes to ``self.results``."""
+        self.say(f"[{number}/{len(STAGES)}] {stage.name}: {stage.title}")
+        planned = stage.plan(self)
+        if planned is None:
+            return
+        key, build, record = planned
+        folder, data = self.run.stage(stage.name, key, lambda tmp: _plain(build(tmp)))
         release_memory()  # the stage's programs and sessions, before the next stage allocates its own
         entry = self.run.log[-1]
-        self.say(f"      {name}: reused from {folder.relative_to(self.out)}" if entry["cached"]
-                 else f"      {name}: done in {entry['seconds']:.1f} s")
+        self.say(f"      {stage.name}: reused from {folder.relative_to(self.out)}" if entry.cached
+                 else f"      {stage.name}: done in {entry.seconds:.1f} s")
         result = from_json(record, data, f"{folder / 'result.json'}") if record else data
-        self.results[name], self.folders[name], self.keys[name] = result, folder, entry["key"]
-        return result
+        self.results[stage.name], self.folders[stage.name], self.keys[stage.name] = result, folder, key
+        if isinstance(result, ThreadsResult):  # the later stages run at the measured counts
+            self.ctx.adopt(result.plan)
 
     # ------------------------------------------------------------------ stages
-    def threads(self, base: dict[str, Any]) -> None:
-        q = self.options.quantize
+    def model(self) -> tuple[str, Callable[[Path], Any], None]:
+        return record_key(__version__, model_identity(self.options.model)), lambda _folder: self.loaded.info(), None
 
-        def build(_folder: Path) -> ThreadsResult:
-            limits = cpu_limits()
-            sweeps = []
-            for phase in PHASES:
-                workload = phase_workload(self.loaded.model, phase, q.context, q.prefill_len if phase == "prefill" else None)
-                sweeps.append(tune_cached(phase, workload, ceiling=limits.ceiling).to_dict())
-            return ThreadsResult(limits.ceiling, limits.affinity, limits.quota,
-                                 {s["phase"]: s["best"] for s in sweeps}, tuple(sweeps))
-
+    def threads(self) -> tuple[str, Callable[[Path], ThreadsResult], type]:
+        options = self.options.threads
         limits = cpu_limits()  # the CPUs this process may use now: a new taskset or quota is a new plan
         cpus = {"ceiling": limits.ceiling, "affinity": limits.affinity, "quota": limits.quota, "model": cpu_model()}
-        result = self.stage("threads", {**base, "context": q.context, "prefill_len": q.prefill_len,
-                                        "cpus": cpus, "torch": torch.__version__},
-                            build, ThreadsResult)
-        self.ctx.adopt(result.plan)
+        key = record_key(options, self.keys["model"], cpus, torch.__version__)
+        return key, lambda _folder: run_threads(options, self.loaded.model, self.ctx), ThreadsResult
 
-    def quantize(self, base: dict[str, Any]) -> None:
+    def quantize(self) -> tuple[str, Callable[[Path], QuantizeResult], type]:
         q = self.options.quantize
 
         def build(folder: Path) -> QuantizeResult:
@@ -208,49 +156,25 @@ class Job:
             return replace(result, artifact="artifact")  # relative to the stage folder
 
         # the recipe as resolved (a file's content, a built-in's current rules and rotation), not its name
-        inputs = {**base, "options": to_json(q), "recipe": self.recipe.to_dict(), "device": str(self.ctx.device)}
-        self.stage("quantize", inputs, build, QuantizeResult)
+        key = record_key(q, self.recipe.to_dict(), str(self.ctx.device), self.keys["model"])
+        return key, build, QuantizeResult
 
-    def evaluate(self, name: str, of: str | None, base: dict[str, Any]) -> None:
+    def evaluate(self, of: str | None) -> tuple[str, Callable[[Path], EvalResult], type]:
         """Perplexity on the eval corpus of the float model (``of`` None) or of the graphs made
-        by stage ``of`` ("quantize": PT2E programs, "export": ONNX on ONNX Runtime's CPU provider)."""
-        e = self.options.eval
+        by stage ``of`` ("quantize": PT2E programs, "export": ONNX on ONNX Runtime's CPU provider),
+        with their divergence from the float model (docs/design.md §14)."""
+        options = self.options.eval
         ctx = self.ctx if of != "export" else self.ctx.on("cpu")  # ONNX Runtime takes CPU tensors
 
         def build(_folder: Path) -> EvalResult:
             if of is None:  # whole windows: the calibrate phase's shape
-                try:
-                    with ctx.scope("calibrate") as threads:
-                        return evaluate_model(self.loaded, self.documents, e.context, batch_size=e.batch_size,
-                                              max_tokens=e.max_tokens, num_threads=threads, progress=ctx.progress,
-                                              device=ctx.device)
-                finally:
-                    self.loaded.model.to("cpu")  # the later stages run it on the CPU
+                return run_eval(options, EvalInputs(self.documents, self.loaded), ctx)
             programs = self.artifact_programs() if of == "quantize" else self.export_programs()
-            loaded = self.unrotated_float()
-            model = loaded.model.to(ctx.device)  # the reference: scored on each batch of windows right after the graphs
-            try:
-                with ctx.scope("prefill"):  # prefill chunks
-                    result = programs.to(ctx.device).evaluate(self.tokenizer, self.documents, e.context,
-                                                              max_tokens=e.max_tokens, progress=ctx.progress,
-                                                              device=ctx.device,
-                                                              reference_fn=lambda tokens: forward_logits(model, tokens))
-            finally:
-                model.to("cpu")  # the later stages run it on the CPU
-            return replace(result, reference={"model": loaded.name, **result.reference})
+            inputs = EvalInputs(self.documents, self.loaded, programs.to(ctx.device), self.tokenizer)
+            return run_eval(options, inputs, ctx)
 
-        inputs = {**base, "options": to_json(e), "of": self.keys[of] if of else "float", "device": str(ctx.device)}
-        if of is not None:  # kld_mean, kld_p99, top1_agreement against the float model (docs/design.md §14)
-            inputs["kl_divergence"] = True
-        self.stage(name, inputs, build, EvalResult)
-
-    def unrotated_float(self) -> Any:
-        """The float model as loaded: the reference of the divergence from float. A copy that
-        :meth:`float_in_artifact_basis` rotated computes the same function only to float rounding,
-        so it is dropped and loaded again (seconds)."""
-        if self._rotated:
-            self.release_float()
-        return self.loaded
+        upstream = self.keys[of] if of else self.keys["model"]
+        return record_key(options, of or "float", upstream, str(ctx.device)), build, EvalResult
 
     def artifact_programs(self) -> Programs:
         return open_programs(artifact=str(self.folders["quantize"] / "artifact"))
@@ -258,50 +182,27 @@ class Job:
     def export_programs(self) -> Programs:
         return open_programs(onnx=str(self.folders["export"] / "onnx"), provider="cpu")
 
-    def float_in_artifact_basis(self) -> torch.nn.Module:
-        """The float model with the rotations the quantize stage folded into the artifact's
-        weights (same seed, so the same matrices): layer outputs are then compared in one basis.
-        Rotated in place (no second copy of the weights); the model computes the same function
-        to float rounding (npuq.optimize.rotate), so the stages after this one may use it."""
-        rotation = read_artifact(self.folders["quantize"] / "artifact").rotation
-        if rotation and not self._rotated:
-            rotate_as(self.loaded.model, rotation)
-            self._rotated = True
-        return self.loaded.model
+    def layers(self) -> tuple[str, Callable[[Path], LayersResult], type]:
+        options, ctx = self.options.layers, self.ctx.on("cpu")
 
-    def layers(self) -> None:
-        o, ctx = self.options, self.ctx.on("cpu")
-
-        def build(_folder: Path) -> dict[str, Any]:
+        def build(_folder: Path) -> LayersResult:
             programs = self.artifact_programs()
-            ids = corpus_tokens(self.tokenizer, o.eval_corpus, o.sqnr_tokens, split="eval")
-            model = self.float_in_artifact_basis()
-            with ctx.scope("prefill"):
-                errors = layer_errors(model, programs.graphs, programs.config, programs.context, ids)
-            return {"tokens": len(ids), "layers": [e.to_dict() for e in errors]}
+            inputs = LayersInputs(self.tokenizer, self.loaded.model, self.results["quantize"].rotation,
+                                  programs.graphs, programs.config, programs.context)
+            return run_layers(options, inputs, ctx)
 
-        self.stage("layers", {"of": self.keys["quantize"], "corpus": o.eval_corpus, "tokens": o.sqnr_tokens}, build)
+        return record_key(options, self.keys["quantize"]), build, LayersResult
 
-    def generate(self) -> None:
-        o, ctx = self.options, self.ctx.on("cpu")
+    def generations(self) -> tuple[str, Callable[[Path], GenerationsResult], type]:
+        options, ctx = self.options.generations, self.ctx.on("cpu")
 
-        def build(_folder: Path) -> dict[str, Any]:
+        def build(_folder: Path) -> GenerationsResult:
             programs = self.artifact_programs()
-            rows = []
-            for prompt in o.prompts:
-                kwargs = {"max_new_tokens": o.gen_tokens, "context": programs.context,
-                          "prefill_len": max(programs.graphs), "ctx": ctx}
-                ref = generate(self.loaded, prompt, **kwargs)
-                quant = generate(self.loaded, prompt, graphs=programs.graphs, **kwargs)
-                rows.append({"prompt": prompt, "float": ref.text, "quantized": quant.text,
-                             "same_tokens": common_prefix(ref.token_ids, quant.token_ids), "tokens": len(ref.token_ids),
-                             "float_tokens_per_second": ref.tokens_per_second,
-                             "quantized_tokens_per_second": quant.tokens_per_second})
-            return {"generations": rows}
+            return run_generations(options, GenerationsInputs(self.loaded, programs.graphs, programs.context), ctx)
 
-        self.stage("generate", {"of": self.keys["quantize"], "prompts": list(o.prompts), "tokens": o.gen_tokens}, build)
+        return record_key(options, self.keys["quantize"]), build, GenerationsResult
 
-    def export(self) -> None:
+    def export(self) -> tuple[str, Callable[[Path], ExportResult], type]:
         x = self.options.export
 
         def build(folder: Path) -> ExportResult:
@@ -310,8 +211,22 @@ class Job:
             return replace(result, files={k: str(Path(v).relative_to(folder)) for k, v in result.files.items()})
 
         # the resolved target too: a different SDK found in the environment is a new export
-        inputs = {"of": self.keys["quantize"], "options": to_json(x), "target": self.target.describe()}
-        self.stage("export", inputs, build, ExportResult)
+        return record_key(x, self.keys["quantize"], self.target.describe()), build, ExportResult
+
+    def report(self) -> None:
+        link_tree(self.folders["quantize"] / "artifact", self.out / "artifact")
+        link_tree(self.folders["export"] / "onnx", self.out / "onnx")
+        from npuq.report.build import build_report
+
+        r = self.results
+        results = RunResults(
+            options=self.options, execution=self.ctx.describe(), model=r["model"], threads=r["threads"],
+            quantize=r["quantize"], eval_float=r["eval-float"], eval_quantized=r["eval-quantized"],
+            layers=r["layers"], generations=r["generate"], export=r["export"], eval_exported=r["eval-exported"],
+            out=self.out, stages=tuple(self.run.log), seconds=time.perf_counter() - self.start)
+        self.report_json, html = build_report(results)
+        write_text(self.out / "report.html", html)
+        write_json(self.out / "report.json", self.report_json)
 
     # ------------------------------------------------------------------ the whole job
     def check(self) -> None:
@@ -322,12 +237,12 @@ class Job:
         model_identity(self.options.model)
 
     def execute(self) -> dict[str, Any]:
-        start = time.perf_counter()
+        self.start = time.perf_counter()
         self.check()
         with RunDir(self.out) as self.run:  # only once the options are known to be good; locked until the end
-            return self._execute(start)
+            return self._execute()
 
-    def _execute(self, start: float) -> dict[str, Any]:
+    def _execute(self) -> dict[str, Any]:
         if self.run.interrupted is not None:
             self.say(f"npuq run: the previous run in {self.out} was interrupted (stage "
                      f"{self.run.interrupted.get('stage') or 'between stages'}); finished stages are reused")
@@ -336,31 +251,15 @@ class Job:
                      "second inputs at 8 bits, which every HTP accepts, so the exported graphs will not have the "
                      "quantized model's numerics (Qwen2.5-Coder-0.5B: 1.07x its perplexity); pass --soc of your "
                      "chip (e.g. --soc SM8650) to export what you measured")
-        base = {"npuq": __version__, "model": model_identity(self.options.model)}
-        self.stage("model", base, lambda _folder: self.loaded.info())
-        self.threads(base)
-        self.quantize(base)
-        self.evaluate("eval-float", None, base)
-        self.evaluate("eval-quantized", "quantize", base)
-        self.layers()
-        self.generate()
-        self.export()
-        self.evaluate("eval-exported", "export", base)
-
-        self.say(f"[{len(STAGES)}/{len(STAGES)}] report: {STAGE_TITLES['report']}")
-        link_tree(self.folders["quantize"] / "artifact", self.out / "artifact")
-        link_tree(self.folders["export"] / "onnx", self.out / "onnx")
-
-        report, html = build_report(self, time.perf_counter() - start)
-        write_text(self.out / "report.html", html)
-        write_json(self.out / "report.json", report)
+        for number, stage in enumerate(STAGES, 1):
+            self.run_stage(number, stage)
         self.prune()
         self.run.finish()
-        return report
+        return self.report_json
 
     def prune(self) -> None:
         """Delete stage folders this run did not use (older keys): they can be large."""
-        current = {f"{e['stage']}-{e['key']}" for e in self.run.log}
+        current = {f"{e.stage}-{e.key}" for e in self.run.log}
         for folder in (self.out / "stages").iterdir():
             if folder.is_dir() and folder.name not in current and not folder.name.startswith("."):
                 shutil.rmtree(folder, ignore_errors=True)
@@ -384,30 +283,21 @@ def _plain(result: Any) -> Any:
     return result if isinstance(result, dict) else to_json(result)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two generations share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-STAGES = ("model", "threads", "quantize", "eval-float", "eval-quantized", "layers", "generate", "export", "eval-exported",
-          "report")
-STAGE_TITLES = {
-    "model": "load the model and describe it",
-    "threads": "fastest thread count per phase (decode, prefill, calibrate)",
-    "quantize": "calibrate, recover accuracy, write the quantized programs",
-    "eval-float": "perplexity of the float model",
-    "eval-quantized": "perplexity of the quantized programs (prefill + decode, quantized KV cache)",
-    "layers": "per-layer quantization error (SQNR against float)",
-    "generate": "greedy generations, float and quantized",
-    "export": "lower to QDQ ONNX for the target SDK and HTP",
-    "eval-exported": "perplexity of the exported graphs on ONNX Runtime (CPU, exact QDQ)",
-    "report": "report.html and report.json",
-}
+# The stages of a run, in order: declared once (name, title, the Job method that plans it).
+STAGES = (
+    Stage("model", "load the model and describe it", Job.model),
+    Stage("threads", "fastest thread count per phase (decode, prefill, calibrate)", Job.threads),
+    Stage("quantize", "calibrate, recover accuracy, write the quantized programs", Job.quantize),
+    Stage("eval-float", "perplexity of the float model", lambda job: job.evaluate(None)),
+    Stage("eval-quantized", "perplexity of the quantized programs (prefill + decode, quantized KV cache)",
+          lambda job: job.evaluate("quantize")),
+    Stage("layers", "per-layer quantization error (SQNR against float)", Job.layers),
+    Stage("generate", "greedy generations, float and quantized", Job.generations),
+    Stage("export", "lower to QDQ ONNX for the target SDK and HTP", Job.export),
+    Stage("eval-exported", "perplexity of the exported graphs on ONNX Runtime (CPU, exact QDQ)",
+          lambda job: job.evaluate("export")),
+    Stage("report", "report.html and report.json", Job.report),
+)
 
 
 def run_job(options: RunOptions, out: str | os.PathLike, ctx: ExecutionContext | None = None) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Stages of a run folder, each cached under a key derived from its inputs.
 
 A stage's folder is ``DIR/stages/NAME-KEY`` where KEY hashes everything the stage depends on
-(options, versions, and the keys of the stages it reads). A stage is written into a
+(its options record, versions, and the keys of the stages it reads: npuq.records.record_key). A stage is written into a
 temporary folder and renamed into place only when complete, so an interrupted run never
 leaves a half-written stage; the next run reuses every finished stage and redoes the rest.
 While a run is in progress ``DIR/RUNNING`` names it; a run that finds the marker reports
@@ -15,7 +15,6 @@ before it reads the marker: a marker it finds was left by a run that is no longe
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import time
@@ -24,15 +23,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from npuq.fsio import atomic_dir, folder_lock, write_json
+from npuq.runs import StageEntry
 
 RESULT = "result.json"
 MARKER = "RUNNING"
-
-
-def stage_key(inputs: dict[str, Any]) -> str:
-    """Stable 16-hex-digit key of a JSON-able dict of inputs."""
-    text = json.dumps(inputs, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -46,7 +40,7 @@ class RunDir:
     """
 
     root: Path
-    log: list[dict[str, Any]] = field(default_factory=list)
+    log: list[StageEntry] = field(default_factory=list)
     interrupted: dict[str, Any] | None = None  # the marker a previous run left, if any
     wait: float = 0.0
 
@@ -88,19 +82,19 @@ class RunDir:
     def _mark(self, stage: str | None) -> None:
         write_json(self.root / MARKER, {"pid": os.getpid(), "stage": stage, "since": time.time()})
 
-    def stage(self, name: str, inputs: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
-        """Return (folder, result) of stage ``name``: reused when its key matches, else built.
+    def stage(self, name: str, key: str, build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+        """Return (folder, result) of stage ``name`` under ``key`` (npuq.records.record_key of
+        everything the stage reads): reused when that folder is complete, else built.
 
         ``build(folder)`` writes its files into ``folder`` and returns a JSON-able result. A
         build that raises ends the run: the lock is released, the marker names the stage.
         """
         if not self.locked:
             raise RuntimeError(f"RunDir({self.root}) is closed: its lock was released")
-        key = stage_key({"stage": name, **inputs})
         folder = self.root / "stages" / f"{name}-{key}"
         if (folder / RESULT).is_file():
             result = json.loads((folder / RESULT).read_text())
-            self.log.append({"stage": name, "key": key, "cached": True, "seconds": 0.0})
+            self.log.append(StageEntry(name, key, True, 0.0))
             return folder, result
         self._mark(name)
         start = time.perf_counter()
@@ -112,7 +106,7 @@ class RunDir:
             self.close()
             raise
         seconds = time.perf_counter() - start
-        self.log.append({"stage": name, "key": key, "cached": False, "seconds": seconds})
+        self.log.append(StageEntry(name, key, False, seconds))
         self._mark(None)
         return folder, result
 

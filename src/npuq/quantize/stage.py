@@ -22,7 +22,9 @@ from npuq.fsio import folder_lock
 from npuq.models import load_model, model_config, model_sizes, open_streamed
 from npuq.models.stream import StreamedDecoder
 from npuq.optimize.budget import BudgetReport, budget_recipe, check_budget_base
-from npuq.optimize.recovery import optimize_for_recipe, resolve_recovery
+from npuq.optimize.driver import RecoveryOptions
+from npuq.optimize.gptq import GptqOptions
+from npuq.optimize.recovery import optimize_for_recipe
 from npuq.optimize.rotate import rotate_model, rotate_streamed
 from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS, load_recipe
 from npuq.quant.size import WeightSize, model_weights, recipe_size
@@ -32,7 +34,6 @@ from npuq.records import optional_key
 from npuq.resources import USABLE_FRACTION, available_memory
 from npuq.runtime.context import ExecutionContext
 
-GRANULARITIES = ("channel", "layer")
 MIN_BITS_PER_WEIGHT = 4  # --bits-per-weight: every weight at 4 bits
 ROTATION_SEED = 0  # the random signs of the Hadamard matrices: fixed, so a rerun quantizes alike
 
@@ -55,7 +56,7 @@ class QuantizeOptions:
     seq_mse: int | None = None  # candidate scales per weight; None: min/max scales
     seq_mse_granularity: str = "channel"
     weight_rounding: str = "nearest"
-    layer_inputs: str | None = None  # None: resolve_recovery's default when recovery is on
+    layer_inputs: str | None = None  # None: "quantized" when recovery is on (RecoveryOptions)
     act_order: bool | None = None  # None: on with GPTQ
     rotate: str | None = None  # ROTATE_CHOICES; None: the recipe's (built-in 4-bit recipes: r1)
     parts: int | None = optional_key()  # quantize in this many parts, streamed; None: auto_parts
@@ -72,8 +73,6 @@ class QuantizeOptions:
         if self.calibration_mode not in CALIBRATION_MODES:
             raise NpuqError(f"unknown --calibration-mode {self.calibration_mode!r}; choose one of "
                             f"{', '.join(CALIBRATION_MODES)}")
-        if self.seq_mse_granularity not in GRANULARITIES:
-            raise NpuqError(f"--seq-mse-granularity {self.seq_mse_granularity!r}: choose one of {', '.join(GRANULARITIES)}")
         if self.context < 2:
             raise NpuqError(f"--context {self.context} is too small: a window needs at least 2 tokens")
         if self.calib_tokens < self.context:
@@ -86,17 +85,27 @@ class QuantizeOptions:
         prefill_len = default_prefill_len(self.context) if self.prefill_len is None else self.prefill_len
         if not 1 <= prefill_len < self.context:
             raise NpuqError(f"--prefill-len {prefill_len} must be at least 1 and below --context {self.context}")
-        layer_inputs, act_order = resolve_recovery(self.seq_mse, self.weight_rounding, self.layer_inputs, self.act_order)
-        if not self.recovers:  # nothing fits layers: the two choices mean nothing
-            layer_inputs, act_order = None, None
         object.__setattr__(self, "prefill_len", prefill_len)
-        object.__setattr__(self, "layer_inputs", layer_inputs)
-        object.__setattr__(self, "act_order", act_order)
+        if self.act_order and self.weight_rounding != "gptq":
+            raise NpuqError("--act-order orders GPTQ's rounding and does nothing with nearest rounding: "
+                            "add --weight-rounding gptq, or drop --act-order")
+        gptq = None
+        if self.weight_rounding == "gptq":
+            gptq = GptqOptions() if self.act_order is None else GptqOptions(act_order=self.act_order)
+        recovery = RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs,
+                                   gptq)  # its checks, and its defaults filled in
+        # the resolved choices, so two records that quantize alike are equal; none without SeqMSE or GPTQ
+        object.__setattr__(self, "layer_inputs", recovery.layer_inputs if recovery.recovers else None)
+        object.__setattr__(self, "act_order", (recovery.gptq is not None and recovery.gptq.act_order)
+                           if recovery.recovers else None)
 
     @property
-    def recovers(self) -> bool:
-        """SeqMSE or GPTQ is on."""
-        return self.seq_mse is not None or self.weight_rounding != "nearest"
+    def recovery(self) -> RecoveryOptions | None:
+        """The SeqMSE/GPTQ options as the driver takes them; None when neither is on."""
+        if not (self.seq_mse is not None or self.weight_rounding != "nearest"):
+            return None
+        gptq = GptqOptions(act_order=self.act_order) if self.weight_rounding == "gptq" else None
+        return RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs, gptq)
 
     @property
     def phase(self) -> str:
@@ -199,7 +208,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     if parts > 1:
         whole = "" if o.parts else (f"it does not fit this machine's memory whole, so it is quantized in {parts} parts, "
                                     "and ")
-        steps = [why for why, on in (("SeqMSE/GPTQ (drop --seq-mse / --weight-rounding)", o.recovers),
+        steps = [why for why, on in (("SeqMSE/GPTQ (drop --seq-mse / --weight-rounding)", o.recovery is not None),
                                      ("a size budget (drop --bits-per-weight)", o.bits_per_weight is not None),
                                      ("sequential calibration (use --calibration-mode onepass)",
                                       o.calibration_mode != "onepass")) if on]
@@ -232,15 +241,12 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
             recipe, budget = budget_recipe(loaded.model, recipe, split_windows(tokens, o.context).rows(),
                                            o.bits_per_weight, progress=ctx.progress)
     weight_scales, optimized = None, None
-    if o.recovers:
+    if o.recovery is not None:
         weights_sha256()  # the recovery writes its rounded weights in place: the hash first
 
         with ctx.scope(o.phase):
-            weight_scales, optimized = optimize_for_recipe(
-                loaded.model, recipe, split_windows(tokens, o.context), seq_mse=o.seq_mse,
-                granularity=o.seq_mse_granularity, rounding=o.weight_rounding, progress=ctx.progress,
-                device=ctx.device, inputs=o.layer_inputs, act_order=o.act_order,
-            )
+            weight_scales, optimized = optimize_for_recipe(loaded.model, recipe, split_windows(tokens, o.context),
+                                                           o.recovery, progress=ctx.progress, device=ctx.device)
     with writing_artifact(out, parts, force=force) as writer:
         qm = quantize_model(
             loaded.model, recipe, tokens, context=o.context, mode=o.calibration_mode, prefill_len=o.prefill_len,

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from npuq import __version__
-from npuq.eval.layers import LayerError, worst
+from npuq.eval.layers import worst
 from npuq.optimize.budget import BudgetReport
 from npuq.optimize.rotate import RotationReport
 from npuq.quantize.artifact import read_artifact
 from npuq.records import to_json
+from npuq.runs import RunResults
 from npuq.report.html import Figure, Section, Table, figure_png, render
 from npuq.threads.plot import sweep_figure
 from npuq.threads.tuner import TuneResult
@@ -26,6 +27,7 @@ WORST = 5
 
 
 DIVERGENCE = ("kld_mean", "kld_p99", "top1_agreement")  # against the float model, on the same windows
+EXPORT_FACTS = ("qnn_version", "qnn_version_source", "htp_arch", "soc", "embedding_pattern", "files")  # of ExportResult
 
 
 def _ppl_rows(ppl: dict[str, dict[str, Any]]) -> list[list[Any]]:
@@ -82,14 +84,13 @@ def recipe_rows(plan: list[dict[str, str]]) -> list[list[Any]]:
     return [[k, rule, scheme, n, example[(k, rule, scheme)]] for (k, rule, scheme), n in groups.items()]
 
 
-def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
-    """(report.json content, report.html text) of a finished :class:`npuq.pipeline.job.Job`."""
-    res, out = job.results, job.out
-    artifact = read_artifact(job.folders["quantize"] / "artifact")
-    q, export = res["quantize"], res["export"]
-    ppl = {"float": res["eval-float"], "quantized": res["eval-quantized"], "exported": res["eval-exported"]}
-    layer_list = res["layers"]["layers"]
-    worst_layers = [e.to_dict() for e in worst([LayerError(**r) for r in layer_list], WORST)]
+def build_report(run: RunResults) -> tuple[dict[str, Any], str]:
+    """(report.json content, report.html text) of a finished run."""
+    q, export, out = run.quantize, run.export, run.out
+    artifact = read_artifact(out / "artifact")
+    ppl = {"float": run.eval_float, "quantized": run.eval_quantized, "exported": run.eval_exported}
+    layer_list = [e.to_dict() for e in run.layers.layers]
+    worst_layers = [e.to_dict() for e in worst(run.layers.layers, WORST)]
     calibration = {
         "mode": q.calibration_mode, "tokens": q.calibration_tokens, "threads": q.threads,
         "prepare_seconds": q.prepare_seconds, "calibration_seconds": q.calibration_seconds,
@@ -104,28 +105,27 @@ def build_report(job: Any, seconds: float) -> tuple[dict[str, Any], str]:
     report = {
         "npuq_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "options": to_json(job.options),
-        "execution": job.ctx.describe(),
-        "model": res["model"],
+        "options": to_json(run.options),
+        "execution": run.execution,
+        "model": run.model,
         "scheme": q.scheme,
         "recipe": {"name": q.recipe, "plan": list(artifact.recipe_plan or ()), "summary": q.recipe_summary,
                    "rotation": q.rotation, "budget": to_json(q.budget) if q.budget is not None else None},
         "bits_per_weight": q.bits_per_weight,  # mean code bits per weight parameter (npuq.quant.size)
         "weight_bytes": q.weight_bytes,
-        "threads": to_json(res["threads"]),
+        "threads": to_json(run.threads),
         "calibration": calibration,
-        "layers": {"tokens": res["layers"]["tokens"], "layers": layer_list, "worst": worst_layers},
+        "layers": {"tokens": run.layers.tokens, "layers": layer_list, "worst": worst_layers},
         "perplexity": {k: {f: getattr(v, f) for f in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens",
                                                       "words", "bytes", "documents", "context", "seconds")
                            + (DIVERGENCE if k != "float" else ())}
                        for k, v in ppl.items()},
-        "export": {k: getattr(export, k) for k in ("qnn_version", "qnn_version_source", "htp_arch", "soc",
-                                                   "embedding_pattern", "files")},
-        "generations": res["generate"]["generations"],
+        "export": {k: v for k, v in to_json(export).items() if k in EXPORT_FACTS},
+        "generations": to_json(run.generations)["generations"],
         "files": {name: sorted(str(p.relative_to(out)) for p in (out / name).rglob("*") if p.is_file())
                   for name in ("artifact", "onnx")},
-        "stages": job.run.log,
-        "seconds": seconds,
+        "stages": [to_json(s) for s in run.stages],
+        "seconds": run.seconds,
     }
     report["files"]["report"] = ["report.html", "report.json"]
     return report, render_html(report)

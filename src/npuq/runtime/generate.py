@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from npuq.errors import NpuqError
 from npuq.runtime.context import ExecutionContext
@@ -85,3 +85,57 @@ def generate(
         tokens_per_second=steps / decode_seconds if steps and decode_seconds > 0 else 0.0,
         threads=plan.threads["decode"], thread_plan=plan.to_dict(), device=str(runner.device),
     )
+
+
+@dataclass(frozen=True)
+class GenerationsOptions:
+    """The prompts the generations stage of ``npuq run`` continues, float and quantized."""
+
+    prompts: tuple[str, ...]
+    tokens: int = 16  # new tokens per prompt
+
+
+@dataclass(frozen=True)
+class GenerationsInputs:
+    loaded: Any  # the float model (npuq.models.LoadedModel)
+    graphs: dict[int, Any]  # ar_len → quantized program
+    context: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt: str
+    float: str
+    quantized: str
+    same_tokens: int  # leading tokens the two continuations share
+    tokens: int  # of the float continuation
+    float_tokens_per_second: float
+    quantized_tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class GenerationsResult:
+    generations: tuple[Generation, ...]
+
+
+def run_generations(options: GenerationsOptions, inputs: GenerationsInputs, ctx: ExecutionContext) -> GenerationsResult:
+    """Each prompt continued greedily by the float model and by the quantized graphs."""
+    rows = []
+    for prompt in options.prompts:
+        kwargs = {"max_new_tokens": options.tokens, "context": inputs.context, "prefill_len": max(inputs.graphs),
+                  "ctx": ctx}
+        ref = generate(inputs.loaded, prompt, **kwargs)
+        quant = generate(inputs.loaded, prompt, graphs=inputs.graphs, **kwargs)
+        rows.append(Generation(prompt, ref.text, quant.text, common_prefix(ref.token_ids, quant.token_ids),
+                               len(ref.token_ids), ref.tokens_per_second, quant.tokens_per_second))
+    return GenerationsResult(tuple(rows))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two generations share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -20,7 +20,7 @@ import numpy as np
 
 from npuq.lower import pcq
 from npuq.lower.ir import Emit, Lowered, NodeView, Unsupported, Value
-from npuq.lower.registry import BuildContext, register
+from npuq.lower.registry import EMBEDDING_NOTE, BuildContext, register
 from npuq.lower.target import PCQ_EMBEDDING_OPTIMIZED_SDK
 
 
@@ -53,7 +53,7 @@ def embedding_legacy(view: NodeView, ctx: BuildContext) -> Lowered:
     e = Emit(view)
     gathered = e.node("Gather", [e.static(legacy, inter, "table"), ids.name], tag="gather", axis=0)
     out = e.qdq(gathered, inter, tag="max_scale")  # the per-tensor intermediate; Convert follows
-    e.note("embedding_pattern", pattern="legacy", storage=inter.type_name,
+    e.note(EMBEDDING_NOTE, pattern="legacy", storage=inter.type_name,
            intermediate_scale=float(inter.scale), rows=int(codes.shape[0]))
     return e.done(e.out(out))
 
@@ -81,5 +81,5 @@ def embedding_optimized(view: NodeView, ctx: BuildContext) -> Lowered:
         s = e.node("Reshape", [s, e.const(np.array([*ids.shape, 1], np.int64), "shape")], tag="row_scales_col")
         s = e.qdq(s, t.row_enc, tag="row_scales_col")
         out = e.node("Mul", [g, s], view.name)
-    e.note("embedding_pattern", pattern="optimized", storage=storage, rows=int(codes.shape[0]))
+    e.note(EMBEDDING_NOTE, pattern="optimized", storage=storage, rows=int(codes.shape[0]))
     return e.done(e.out(out))
