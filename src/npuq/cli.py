@@ -423,7 +423,6 @@ def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_tune_threads(args: argparse.Namespace) -> dict[str, Any]:
     # loaded on use (torch): --help stays fast
     from npuq.models import load_model
-    from npuq.records import to_json
     from npuq.runtime.context import ExecutionContext
     from npuq.runtime.tuning import ThreadsOptions, run_threads
     from npuq.runtime.workloads import PHASES

@@ -27,6 +27,7 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from npuq.data.corpora import corpus_tokens
 from npuq.models.config import ModelConfig
+from npuq.optimize.rotate import rotate_as
 from npuq.quant.graph import attr_tensor
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.runner import StaticRunner
@@ -177,8 +178,6 @@ def run_layers(options: LayersOptions, inputs: LayersInputs, ctx: ExecutionConte
     ids = corpus_tokens(inputs.tokenizer, options.corpus, options.tokens, split="eval")
     model = inputs.model
     if inputs.rotation:
-        from npuq.optimize.rotate import rotate_as
-
         model = copy.deepcopy(model)
         rotate_as(model, inputs.rotation)
     with ctx.scope("prefill"):

@@ -39,6 +39,7 @@ from npuq.pipeline.programs import Programs, open_programs
 from npuq.pipeline.stages import RunDir
 from npuq.quantize.stage import QuantizeResult, check_quantize, quantize_to_artifact
 from npuq.records import from_json, record_key, to_json
+from npuq.report.build import build_report
 from npuq.runs import RunOptions, RunResults
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.generate import GenerationsInputs, GenerationsResult, run_generations
@@ -216,8 +217,6 @@ class Job:
     def report(self) -> None:
         link_tree(self.folders["quantize"] / "artifact", self.out / "artifact")
         link_tree(self.folders["export"] / "onnx", self.out / "onnx")
-        from npuq.report.build import build_report
-
         r = self.results
         results = RunResults(
             options=self.options, execution=self.ctx.describe(), model=r["model"], threads=r["threads"],
