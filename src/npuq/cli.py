@@ -212,9 +212,9 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                         "each part's weights from disk only while it is quantized, so the peak memory is one part, "
                         "not the model; the artifact holds one folder of programs per part. auto (default): one part "
                         "(the whole model, loaded) where it fits 2.5x its float32 size in the memory this process may "
-                        "use, else the fewest parts of at most a quarter of it each. More than one part takes one-pass "
-                        "calibration without rotation or SeqMSE/GPTQ for now (add --rotate none); 'npuq export' does "
-                        "not take such artifacts yet")
+                        "use, else the fewest parts of at most 1 GiB of float32 weights each. More than one part takes "
+                        "one-pass calibration without SeqMSE/GPTQ or --bits-per-weight for now (rotation works: each "
+                        "part is rotated as it is read); 'npuq export' does not take such artifacts yet")
     p.add_argument("--rotate", choices=ROTATE_CHOICES, default=None,
                    help="fold rotations into the float weights before calibration, so 4-bit weight grids meet no "
                         "outlier channels; the graph and its ops are unchanged: r1, a randomized Hadamard matrix on "

@@ -131,8 +131,9 @@ def test_parts_are_checked():
         check_parts([(0, 3)], 4)
 
 
-def test_auto_parts_loads_a_model_that_fits_and_splits_one_that_does_not():
+def test_auto_parts_loads_a_model_that_fits_and_splits_one_that_does_not(monkeypatch):
     from npuq.models import model_sizes
+    from npuq.quantize import stage
     from npuq.resources import USABLE_FRACTION
 
     cfg = tiny_decoder("smollm3")[1].config  # 4 layers
@@ -142,6 +143,9 @@ def test_auto_parts_loads_a_model_that_fits_and_splits_one_that_does_not():
     assert auto_parts(cfg, int(2 * weights / USABLE_FRACTION)) == 2
     assert auto_parts(cfg, int(weights / USABLE_FRACTION)) == 4  # each part a quarter of the weights
     assert auto_parts(cfg, int(0.1 * weights / USABLE_FRACTION)) == 4  # never more parts than layers
+    # and of at most PART_BYTES, however much memory there is to spare
+    monkeypatch.setattr(stage, "PART_BYTES", weights // 3 + 1)
+    assert auto_parts(cfg, int(2 * weights / USABLE_FRACTION)) == 3
 
 
 def test_cli_quantizes_in_parts_and_eval_scores_the_artifact(tmp_path, capsys):

@@ -27,6 +27,7 @@ encodings hold CPU tensors whatever device calibrated them.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import sys
 import time
@@ -344,6 +345,8 @@ def quantize_model(
                     part = QuantizedPart(part.layers, part.encodings)  # its programs are written: let them go
                 done_parts.append(part)
                 forget_graphs()
+                if len(layers) > 1:  # graphs hold cycles: without a collection their weights outlive the part
+                    gc.collect()
                 timings["convert"] += time.perf_counter() - t2
         finally:
             if bar is not None:

@@ -167,7 +167,7 @@ def check_quantize(options: QuantizeOptions) -> Any:
     return recipe, load_corpus(options.calib_corpus, "calib")  # an empty or missing corpus fails here
 
 
-PART_FRACTION = 0.25  # of the usable memory, the most one part's float32 weights may take
+PART_BYTES = 1 << 30  # the most one part's float32 weights take (a Qwen2.5-7B block: 0.93 GB)
 WHOLE_FACTOR = 2.5  # peak memory of quantizing the whole model / its float32 weights (measured below)
 
 
@@ -176,13 +176,15 @@ def auto_parts(cfg: Any, available: int | None = None) -> int:
     (default: what this process may use now). One (the whole model, loaded) where it fits
     WHOLE_FACTOR times its float32 weights: Qwen2.5-Coder-0.5B, 2.5 GB of float32 weights as
     npuq holds them, peaked at 4.7 GB quantizing 16a8w with 1024 tokens, context 512. Otherwise
-    the fewest parts of even size whose weights each take at most PART_FRACTION of it, streamed
-    (docs/design.md §13)."""
+    the fewest parts of even depth whose float32 weights take at most PART_BYTES each (or a
+    quarter of the usable memory, if less), streamed: a part's peak is a few times its weights
+    (read, rotated, observed, converted, written), so the run's peak stays near one part's,
+    whatever the model's size (docs/design.md §13)."""
     usable = USABLE_FRACTION * (available_memory() if available is None else available)
     weights = model_sizes(cfg)[1]
     if WHOLE_FACTOR * weights <= usable:
         return 1
-    return max(2, min(cfg.num_layers, math.ceil(weights / (PART_FRACTION * usable))))
+    return max(2, min(cfg.num_layers, math.ceil(weights / min(PART_BYTES, usable / 4))))
 
 
 def quantize_to_artifact(
