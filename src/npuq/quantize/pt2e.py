@@ -295,7 +295,7 @@ def quantize_model(
                         "to quantize in parts or streamed")
     if streamed and weight_scales:
         raise NpuqError("SeqMSE/GPTQ scales need the whole model loaded: they are not made for a streamed model")
-    timings = dict.fromkeys(("export", "prepare", "calibration", "convert"), 0.0)
+    timings = dict.fromkeys(("export", "prepare", "calibration", "convert", "read"), 0.0)
     start = time.perf_counter()
 
     whole = meta_model_graph(cfg, model.max_context) if streamed else export_model_graph(model)
@@ -312,8 +312,10 @@ def quantize_model(
     with scope_or_keep(num_threads) as threads:
         try:
             for k, (first, end) in enumerate(layers):
+                reading = time.perf_counter()
                 with _weights(model, first, end) as weights:
                     t0 = time.perf_counter()
+                    timings["read"] += t0 - reading
                     graph = whole if weights is None else part_graph(whole, first, end, weights)
                     prepared, quantizer = _prepare(graph, recipe, end - first, weight_scales, plan)
                     del graph
@@ -373,8 +375,9 @@ def quantize_model(
         "batch_size": batch_size if mode == "onepass" else 1,
         "bias_fit": [w.to_dict() for w in widened_all],
     }
-    if len(layers) > 1:
+    if len(layers) > 1 or streamed:
         stats["parts"] = [list(p.layers) for p in done_parts]
+        stats["read_seconds"] = timings["read"]  # reading (and rotating) each part's weights
     plan = plan if plan is not None else quantizer.plan
     if len(done_parts) == 1 and not streamed:
         (p,) = done_parts
