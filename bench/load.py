@@ -42,7 +42,7 @@ t3 = time.perf_counter()
 print(json.dumps({
     "import_torch_s": t1 - t0, "import_npuq_s": t2 - t1, "load_model_s": t3 - t2, "in_process_s": t3 - t0,
     "from_cache": isinstance(loaded.hf_config, CachedHFConfig),
-    "parameters": loaded.info()["parameters"],
+    "parameters": loaded.info().parameters,
     "imported_transformers": "transformers" in sys.modules,
     "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     # now, after the load: anonymous memory vs pages of mapped files (the cache's weights; reclaimable)

@@ -269,7 +269,7 @@ def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
     # loaded on use (torch): --help stays fast
     from npuq.models import model_info
 
-    result = model_info(args.model)  # config and tensor shapes: no weight is read
+    result = to_json(model_info(args.model))  # config and tensor shapes: no weight is read
     for key, value in result.items():
         print(f"{key:>24}: {value}")
     return result

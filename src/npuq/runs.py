@@ -13,6 +13,7 @@ from npuq.errors import NpuqError
 from npuq.eval.layers import LayersOptions, LayersResult
 from npuq.eval.perplexity import EvalOptions, EvalResult
 from npuq.lower.export import ExportOptions, ExportResult
+from npuq.models import ModelDescription
 from npuq.quantize.stage import QuantizeOptions, QuantizeResult
 from npuq.runtime.generate import GenerationsOptions, GenerationsResult
 from npuq.runtime.tuning import ThreadsOptions, ThreadsResult
@@ -89,7 +90,7 @@ class RunResults:
 
     options: RunOptions
     execution: dict[str, Any]  # npuq.runtime.context.ExecutionContext.describe()
-    model: dict[str, Any]  # npuq.models.LoadedModel.info()
+    model: ModelDescription  # npuq.models.LoadedModel.info()
     threads: ThreadsResult
     quantize: QuantizeResult
     eval_float: EvalResult

@@ -43,7 +43,7 @@ def test_hf_folder_loads_with_the_same_logits(hf_folder):
     with torch.no_grad():
         ref = model(input_ids=tokens).logits
     assert (forward_logits(loaded.model, tokens) - ref).abs().max().item() <= 1e-4
-    assert loaded.info()["architecture"] == "qwen2"
+    assert loaded.info().architecture == "qwen2"
 
 
 def test_missing_tensor_is_named(hf_folder, tmp_path):

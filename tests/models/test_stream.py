@@ -78,8 +78,8 @@ def test_info_reads_shapes_only_and_counts_parameters(folder, monkeypatch):
     hf = tiny_hf_model(arch, seed=3)
     tied = hf.config.tie_word_embeddings
     by_hand = sum(p.numel() for p in hf.parameters())  # transformers counts a tied table once
-    assert info["parameters"] == by_hand
-    assert info["tied_embeddings"] == tied
+    assert info.parameters == by_hand
+    assert info.tied_embeddings == tied
 
 
 def test_info_refuses_a_checkpoint_whose_shapes_disagree_with_the_config(tmp_path):

@@ -56,7 +56,7 @@ class LoadedModel:
                 return encoder
         return self.tokenizer
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ModelDescription:
         return describe(self.name, self.source, self.config)
 
 
@@ -71,29 +71,41 @@ def model_sizes(cfg: ModelConfig) -> tuple[int, int]:
     return parameters, sum(p.numel() for p in skeleton.parameters()) * 4
 
 
-def describe(name: str, source: str, cfg: ModelConfig) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ModelDescription:
+    """What ``npuq info`` prints and ``npuq run``'s model stage records: the config's sizes and
+    the parameter count, from the shapes alone."""
+
+    model: str  # as given (built-in name or path)
+    source: str  # the file or folder read
+    architecture: str
+    parameters: int  # a tied lm head counted once
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    tied_embeddings: bool
+    sliding_window_layers: int
+    nope_layers: int
+    float32_bytes: int  # the StaticDecoder's parameters as float32 (its lm head always its own)
+
+
+def describe(name: str, source: str, cfg: ModelConfig) -> ModelDescription:
     """What ``npuq info`` prints."""
     parameters, float32_bytes = model_sizes(cfg)
-    return {
-        "model": name,
-        "source": source,
-        "architecture": cfg.arch,
-        "parameters": parameters,
-        "layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "heads": cfg.num_heads,
-        "kv_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "context_length": cfg.max_position_embeddings,
-        "tied_embeddings": cfg.tie_word_embeddings,
-        "sliding_window_layers": sum(t == "sliding" for t in cfg.layer_types),
-        "nope_layers": sum(not r for r in cfg.use_rope),
-        "float32_bytes": float32_bytes,
-    }
+    return ModelDescription(
+        model=name, source=source, architecture=cfg.arch, parameters=parameters, layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size, context_length=cfg.max_position_embeddings,
+        tied_embeddings=cfg.tie_word_embeddings, sliding_window_layers=sum(t == "sliding" for t in cfg.layer_types),
+        nope_layers=sum(not r for r in cfg.use_rope), float32_bytes=float32_bytes,
+    )
 
 
-def model_info(spec: str) -> dict[str, Any]:
+def model_info(spec: str) -> ModelDescription:
     """``npuq info``: the config and the checkpoint's tensor names and shapes, checked against
     each other; no weight is read (a 7B folder is described in seconds, in little memory)."""
     kind, path = resolve(spec)

@@ -33,7 +33,7 @@ from npuq.eval.perplexity import EvalResult
 from npuq.eval.stage import EvalInputs, run_eval
 from npuq.fsio import atomic_dir, write_json, write_text
 from npuq.lower.export import ExportResult, export_artifact
-from npuq.models import load_model
+from npuq.models import ModelDescription, load_model
 from npuq.models.sources import resolve
 from npuq.pipeline.programs import Programs, open_programs
 from npuq.pipeline.stages import RunDir
@@ -138,8 +138,9 @@ class Job:
             self.ctx.adopt(result.plan)
 
     # ------------------------------------------------------------------ stages
-    def model(self) -> tuple[str, Callable[[Path], Any], None]:
-        return record_key(__version__, model_identity(self.options.model)), lambda _folder: self.loaded.info(), None
+    def model(self) -> tuple[str, Callable[[Path], ModelDescription], type]:
+        return (record_key(__version__, model_identity(self.options.model)), lambda _folder: self.loaded.info(),
+                ModelDescription)
 
     def threads(self) -> tuple[str, Callable[[Path], ThreadsResult], type]:
         options = self.options.threads

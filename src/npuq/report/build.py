@@ -107,7 +107,7 @@ def build_report(run: RunResults) -> tuple[dict[str, Any], str]:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "options": to_json(run.options),
         "execution": run.execution,
-        "model": run.model,
+        "model": to_json(run.model),
         "scheme": q.scheme,
         "recipe": {"name": q.recipe, "plan": list(artifact.recipe_plan or ()), "summary": q.recipe_summary,
                    "rotation": q.rotation, "budget": to_json(q.budget) if q.budget is not None else None},
