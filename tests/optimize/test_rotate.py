@@ -38,7 +38,7 @@ import torch
 
 from npuq.models.decoder import RMSNorm
 from npuq.testing.tiny import TINY_CONFIGS, tiny_decoder
-from npuq.optimize.rotate import hadamard_matrix, rotate_model, rotation_matrix
+from npuq.optimize.rotate import DENSE_MAX, hadamard_matrix, rotate_model, rotation_matrix, rotation_operator
 from npuq.models import decoder
 from npuq.runtime.runner import StaticRunner, forward_logits, step_inputs
 
@@ -319,3 +319,19 @@ def test_rotated_16a8w_loses_no_layer(arch):
     assert sqnr[None].keys() == sqnr["r1"].keys() and len(sqnr[None]) == 7 * model.config.num_layers + 1
     worst = min(sqnr[None], key=lambda p: sqnr["r1"][p] - sqnr[None][p])
     assert sqnr["r1"][worst] >= sqnr[None][worst] - MARGIN_DB, (worst, sqnr["r1"][worst], sqnr[None][worst])
+
+
+@pytest.mark.parametrize("n", [1536, 2048, 3584])  # Qwen2.5-1.5B, -3B, -7B: above DENSE_MAX, applied by structure
+def test_structured_rotation_is_the_dense_randomized_hadamard(n):
+    assert n > DENSE_MAX
+    rotor, how = rotation_operator(n, torch.Generator().manual_seed(2))
+    assert rotor.dense is None and "hadamard" in how
+    h = hadamard_matrix(n)[0]
+    assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))  # ±1 entries: exact in float64
+    dense = rotor.signs.unsqueeze(1) * h / n**0.5  # diag(s)·H/√n, the matrix the structure stands for
+    x = torch.randn(64, n, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    # each output is a sum of n terms of |x|/√n: float64 rounding stays below n·2⁻⁵² of its magnitude
+    bound = n * 2.0**-52 * x.abs().sum(dim=1, keepdim=True) / n**0.5
+    assert ((rotor.right(x) - x @ dense).abs() <= bound).all()
+    w = torch.randn(n, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert ((rotor.left_t(w) - dense.T @ w).abs() <= n * 2.0**-52 * w.abs().sum(dim=0) / n**0.5).all()

@@ -89,6 +89,7 @@ from torch import nn
 __all__ = ["RotationReport", "Rotation", "Rotor", "rotation_operator", "hadamard_factors", "hadamard_matrix", "random_orthogonal", "rotation_matrix", "plan_rotation",
            "rotate_layers", "rotate_model", "rotate_streamed", "rotate_as"]
 
+DENSE_MAX = 1024  # hidden sizes up to this are rotated by the dense matrix: no faster structured (576: 0.16 s vs 0.13 s)
 _ROW_CHUNK = 8192  # rows of the embedding table / lm head rotated at a time (float64 copies stay small)
 
 
@@ -233,6 +234,12 @@ class Rotor:
         y = _sylvester(p).to(x.device) @ y @ _sylvester(b // p).to(x.device)  # (symmetric)
         return y.reshape(x.shape) / self.n**0.5
 
+    def left_t(self, w: torch.Tensor) -> torch.Tensor:
+        """Rᵀ·w for w (n, k), float64: what the output side of a linear layer takes."""
+        if self.dense is not None:
+            return self.dense.to(w.device).T @ w
+        return self.right(w.T).T
+
     def matrix(self) -> torch.Tensor:
         """R itself, (n, n) float64."""
         return self.right(torch.eye(self.n, dtype=torch.float64))
@@ -248,6 +255,8 @@ def rotation_operator(n: int, generator: torch.Generator) -> tuple[Rotor, str]:
     signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int64).double() * 2 - 1
     # diag(s)·H, not H·diag(s): the latter only flips the signs of the rotated channels, which
     # changes no scale of any per-channel or per-block format, so the seed would do nothing.
+    if n <= DENSE_MAX:  # as fast dense, and the rotated weights of the models measured so far stay as they were
+        return Rotor(n, dense=signs.unsqueeze(1) * torch.kron(a, b) / n**0.5), f"randomized hadamard {how}"
     return Rotor(n, signs, a, b), f"randomized hadamard {how}"
 
 
@@ -277,7 +286,7 @@ def _rotate_input(linear: nn.Linear, rot: Rotor, gamma: torch.Tensor | None) -> 
 
 def _rotate_output(linear: nn.Linear, rot: Rotor) -> None:
     """W → rotᵀ·W and b → rotᵀ·b: the layer's output y becomes y·rot."""
-    _set(linear.weight, rot.right(linear.weight.double().T).T)
+    _set(linear.weight, rot.left_t(linear.weight.double()))
     if linear.bias is not None:
         _set(linear.bias, rot.right(linear.bias.double()))
 
