@@ -114,8 +114,8 @@ class StreamedDecoder(nn.Module):
         """Inside, the skeleton's tensors ``names`` hold the checkpoint's weights (checked for
         finite values); afterwards they are back on the meta device and their memory is freed."""
         model = self.skeleton
-        for name in names:  # own: copies, to write in place (a float32 file's tensors are mapped from it)
-            _set(model, name, self.read(name).clone() if own else self.read(name))
+        for name in names:
+            _set(model, name, self.read(name, own))
         try:
             yield
         finally:
@@ -123,9 +123,11 @@ class StreamedDecoder(nn.Module):
                 _set(model, name, torch.empty(_get(model, name).shape, device="meta"))
 
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, own: bool = False) -> torch.Tensor:
         """Tensor ``name`` as the resident model holds it: float32, the norm offset added, a tied
-        head read from the embedding; checked for finite values."""
+        head read from the embedding; checked for finite values. ``own``: memory of its own, to
+        write in place (a float32 file's tensor is mapped from the file and is copied; a widened
+        bf16/fp16 one is a fresh tensor already: a copy would double a 7B head's 2.2 GB)."""
         stored = name
         if name == "lm_head.weight" and name not in self.checkpoint and self.tied:
             stored = "embed_tokens.weight"
@@ -133,6 +135,8 @@ class StreamedDecoder(nn.Module):
         self.reads += 1
         if self.norm_offset and name.endswith("norm.weight"):
             t = t + self.config.norm_weight_offset
+        elif own and self.checkpoint.entries[stored].dtype == "F32":
+            t = t.clone()
         if not all_finite(t):
             raise ModelLoadError(f"{self.checkpoint.source}: tensor {name} contains NaN or Inf values")
         return t.contiguous()
