@@ -71,6 +71,11 @@ channels (every entry has the same magnitude), which a random orthogonal matrix 
 average. Sizes no such product reaches fall back to a Haar-random orthogonal matrix (QR of a
 seeded Gaussian, signs fixed by R's diagonal); the report names which was used.
 
+**Applying R1.** Up to hidden size DENSE_MAX (1024) R1 is a dense float64 matrix; above it, a
+product with R costs hidden multiply-adds per weight (3.6 k for a 7B), so it is applied by its
+structure instead (:class:`Rotor`: the signs, then the Paley factor and two Sylvester factors
+along three axes), the same matrix to float64 rounding (tests/optimize/test_rotate.py).
+
 **Numerics.** Every product is computed in float64 and stored back in the weight's dtype, so
 the rotated model differs from the original by one rounding of each stored weight (fp32: 6e-8
 relative) and by the summation order of its matmuls: logits agree within ~1e-6 relative on the
