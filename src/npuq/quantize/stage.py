@@ -210,13 +210,13 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     if parts > 1:
         whole = "" if o.parts else (f"it does not fit this machine's memory whole, so it is quantized in {parts} parts, "
                                     "and ")
-        steps = [why for why, on in (("SeqMSE/GPTQ (drop --seq-mse / --weight-rounding)", o.recovery is not None),
-                                     ("a size budget (drop --bits-per-weight)", o.bits_per_weight is not None),
-                                     ("sequential calibration (use --calibration-mode onepass)",
-                                      o.calibration_mode != "onepass")) if on]
+        steps = [(what, fix) for what, fix, on in (
+            ("SeqMSE/GPTQ", "drop --seq-mse / --weight-rounding", o.recovery is not None),
+            ("a size budget", "drop --bits-per-weight", o.bits_per_weight is not None),
+            ("sequential calibration", "use --calibration-mode onepass", o.calibration_mode != "onepass")) if on]
         if steps:
             raise NpuqError(f"{o.model}: {whole}a model quantized in parts takes one-pass calibration without "
-                            f"{' or '.join(s.split(' (')[0] for s in steps)} for now: {'; '.join(steps)}")
+                            f"{' or '.join(what for what, _ in steps)} for now: {'; '.join(fix for _, fix in steps)}")
     if parts > cfg.num_layers:
         raise NpuqError(f"--parts {parts}: the model has {cfg.num_layers} layers, so at most {cfg.num_layers} parts")
     loaded = (open_streamed if parts > 1 else load_model)(o.model, max_context=max_context)
