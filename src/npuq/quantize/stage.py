@@ -224,6 +224,10 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
     tokens = corpus_tokens(loaded.encoder, documents, o.calib_tokens)
     weights_sha256 = start_weights_sha256(loaded.model)  # of the float weights as loaded
+    if isinstance(loaded.model, StreamedDecoder):
+        # Before the first part, not beside it: the hash widens each tensor to float32 in turn,
+        # and a 7B's embedding table (2.2 GB) next to the first part's took the peak to 9 GiB.
+        weights_sha256()
     rotation = None
     streamed = isinstance(loaded.model, StreamedDecoder)
     if recipe.rotate is not None:  # before everything that reads the weights: the artifact holds rotated ones
