@@ -85,6 +85,7 @@ tiny test models (tests/optimize/test_rotate.py).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 import time
 from dataclasses import dataclass
 
@@ -336,17 +337,31 @@ class Rotation:
             rotated_linears=rotated, untied=untied, seconds=seconds)
 
 
-def plan_rotation(cfg, *, seed: int = 0, r1: bool = True, r2: bool = False, r1_skipped: str | None = None) -> Rotation:
-    """The matrices of R1 (unless ``r1_skipped`` says why not) and R2 for a model of config
-    ``cfg``, drawn from ``seed``: R1 first, then one R2 per layer in order."""
+def plan_rotation(cfg, gamma: Callable[[str], torch.Tensor], *, seed: int = 0, r1: bool = True,
+                  r2: bool = False) -> Rotation:
+    """The matrices of R1 and R2 for a model of config ``cfg``, drawn from ``seed``: R1 first,
+    then one R2 per layer in order. R1 is left out (and why said) for a sandwich-norm model whose
+    post-norm gammas are not all-equal; ``gamma(name)`` reads the weight ``name`` for that check."""
+    skipped = None
+    if r1 and getattr(cfg, "sandwich_norms", False):
+        names = [f"layers.{i}.{norm}" for i in range(cfg.num_layers) for norm in _POST_NORMS]
+        skipped = _sandwich_obstacle([(name, gamma(f"{name}.weight")) for name in names])
     gen = torch.Generator().manual_seed(int(seed))
     rot = r1_how = rot2 = r2_how = None
-    if r1 and r1_skipped is None:
+    if r1 and skipped is None:
         rot, r1_how = rotation_operator(cfg.hidden_size, gen)
     if r2:
         made = [rotation_matrix(cfg.head_dim, gen) for _ in range(cfg.num_layers)]
         rot2, r2_how = tuple(m for m, _ in made), made[0][1]
-    return Rotation(int(seed), rot, rot2, r1_how, r2_how, r1_skipped if r1 else None)
+    return Rotation(int(seed), rot, rot2, r1_how, r2_how, skipped)
+
+
+def _untie(model: nn.Module, rotation: Rotation) -> bool:
+    """After R1 a tied model's head differs from its table: its config says untied from then on."""
+    untied = rotation.r1 is not None and model.config.tie_word_embeddings
+    if untied:
+        model.config = dataclasses.replace(model.config, tie_word_embeddings=False)
+    return untied
 
 
 def rotate_layers(model: nn.Module, rotation: Rotation, first: int, end: int, *, embed: bool, head: bool) -> None:
@@ -399,19 +414,11 @@ def rotate_model(model: nn.Module, *, seed: int = 0, r1: bool = True, r2: bool =
     gammas, otherwise skipped and reported)."""
     start = time.perf_counter()
     cfg = model.config
-    skipped = None
-    if r1 and getattr(cfg, "sandwich_norms", False):
-        skipped = _sandwich_obstacle([(f"layers.{i}.{name}", getattr(layer, name).weight.detach())
-                                      for i, layer in enumerate(model.layers) for name in _POST_NORMS])
-    rotation = plan_rotation(cfg, seed=seed, r1=r1, r2=r2, r1_skipped=skipped)
-    untied = False
+    rotation = plan_rotation(cfg, lambda name: model.get_parameter(name).detach(), seed=seed, r1=r1, r2=r2)
     if rotation.r1 is not None and model.lm_head.weight is model.embed_tokens.weight:
         model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())  # give the head its own
     rotate_layers(model, rotation, 0, cfg.num_layers, embed=True, head=True)
-    if rotation.r1 is not None and cfg.tie_word_embeddings:
-        model.config = dataclasses.replace(cfg, tie_word_embeddings=False)
-        untied = True
-    return rotation.report(cfg, time.perf_counter() - start, untied)
+    return rotation.report(cfg, time.perf_counter() - start, _untie(model, rotation))
 
 
 def rotate_streamed(model: nn.Module, *, seed: int = 0, r1: bool = True, r2: bool = False) -> RotationReport:
@@ -421,18 +428,11 @@ def rotate_streamed(model: nn.Module, *, seed: int = 0, r1: bool = True, r2: boo
     the same products as the resident model's, so the weights are the same bit for bit."""
     start = time.perf_counter()
     cfg = model.config
-    skipped = None
-    if r1 and getattr(cfg, "sandwich_norms", False):
-        skipped = _sandwich_obstacle([(f"layers.{i}.{name}", model.read(f"layers.{i}.{name}.weight"))
-                                      for i in range(cfg.num_layers) for name in _POST_NORMS])
-    rotation = plan_rotation(cfg, seed=seed, r1=r1, r2=r2, r1_skipped=skipped)
+    rotation = plan_rotation(cfg, model.read, seed=seed, r1=r1, r2=r2)
     L = cfg.num_layers
     model.transform = lambda skeleton, first, end: rotate_layers(skeleton, rotation, first, end, embed=first == 0,
                                                                  head=end == L)
-    untied = rotation.r1 is not None and cfg.tie_word_embeddings
-    if untied:
-        model.config = dataclasses.replace(cfg, tie_word_embeddings=False)
-    return rotation.report(cfg, time.perf_counter() - start, untied)
+    return rotation.report(cfg, time.perf_counter() - start, _untie(model, rotation))
 
 
 def rotate_as(model: nn.Module, record: dict) -> RotationReport:
