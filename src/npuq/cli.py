@@ -224,7 +224,7 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bits-per-weight", type=float, default=None, metavar="B",
                    help="choose each weight's format (4-bit per channel, LPBQ 16a4w_block or 8-bit; the embedding "
                         "table int4, int8 or 16-bit) from its measured sensitivity on the calibration text, so the "
-                        "mean code bits per weight is at most B with the least estimated loss; the recipe's kv_bits "
+                        "mean code bits per weight is at most B with the least estimated loss; the recipe's KV cache "
                         "and rotation are kept, its rules replaced; the choice is written to DIR/recipe.json, which "
                         "--recipe takes (default: the recipe's formats)")
 

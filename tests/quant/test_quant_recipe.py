@@ -6,6 +6,7 @@ import pytest
 
 from npuq.errors import NpuqError
 from npuq.quant.recipe import RECIPES, Recipe, Rule, default_recipe, load_recipe
+from npuq.quant.schemes import UINT8_SYM
 
 LAYERS = [
     ("embed_tokens", "embedding"),
@@ -109,3 +110,11 @@ def test_scheme_flag_replaces_the_default():
     assert mixed.default == "16a16w" and mixed.rules == RECIPES["16a4w_mixed"].rules
     with pytest.raises(NpuqError, match="unknown scheme"):
         load_recipe(None, "3a3w")
+
+
+def test_kv_cache_format_and_new_formats_keep_it():
+    assert Recipe("16a8w", kv_bits=8).kv_format == UINT8_SYM and Recipe("8a8w").kv_format == UINT8_SYM
+    assert Recipe("16a8w").kv_format is None
+    # a cache narrower than the activations travels to other formats; one as wide follows them
+    assert Recipe("16a8w", kv_bits=8, rotate="r1").with_formats("16a4w").kv_format == UINT8_SYM
+    assert Recipe("16a8w").with_formats("8a8w").to_dict() == Recipe("8a8w").to_dict()

@@ -47,6 +47,7 @@ from npuq.errors import NpuqError
 from npuq.lower.manifest import KV_PREFIXES, GenaiFolder, GraphEntry, IOEntry
 from npuq.models.config import ModelConfig
 from npuq.models.decoder import MASK_VALUE
+from npuq.quant.recipe import kv_cache_advice
 
 RUNTIME = "onnxruntime-genai 0.18"
 VERIFIED = {"shared": "onnxruntime-genai 0.18 on the CPU provider (npuq's tests)",
@@ -98,9 +99,8 @@ def check_io(cfg: ModelConfig, kind: str, specs: Sequence[IOEntry], cache: str) 
         if wrong:
             raise NpuqError(
                 f"--genai windowed: onnxruntime-genai's NPU cache holds uint8 KV codes, but this artifact's KV cache "
-                f"is {', '.join(wrong)}: quantize again with a recipe that has \"kv_bits\": 8 (a JSON recipe file such "
-                "as {\"default\": \"16a8w\", \"kv_bits\": 8}), or use --genai shared (the CPU provider's contract, "
-                "any KV type)")
+                f"is {', '.join(wrong)}: quantize again with {kv_cache_advice(8)}, or use --genai shared (the CPU "
+                "provider's contract, any KV type)")
         if any(s.encoding is None or isinstance(s.encoding.scale, tuple) or isinstance(s.encoding.zero_point, tuple)
                for s in kv):
             raise NpuqError("--genai windowed: the KV cache must be quantized per tensor; quantize again")

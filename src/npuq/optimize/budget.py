@@ -212,15 +212,14 @@ def allocate(options: dict[str, Sequence[Option]], budget_bits: float) -> dict[s
 def choice_recipe(base: Recipe, choice: dict[str, str], weights: Sequence[WeightTensor], name: str) -> Recipe:
     """A recipe giving each weight its chosen format: the commonest linear format as the default,
     one exact-path rule per linear layer that differs, the table's mode as ``embedding``; the
-    base's kv_bits and rotation kept."""
+    base's KV cache and rotation kept (:meth:`Recipe.with_formats`)."""
     linear = [w for w in weights if w.kind == LINEAR]
     counts = Counter(choice[w.path] for w in linear)
     default = max(LINEAR_FORMATS, key=lambda f: (counts.get(f, 0), -LINEAR_FORMATS.index(f)))
     rules = tuple(Rule(choice[w.path], op="linear", path=re.escape(w.path), priority=1)
                   for w in linear if choice[w.path] != default)
     embedding = next((choice[w.path] for w in weights if w.kind == EMBEDDING), "shared")
-    kv = None if base.kv_bits == base.scheme.activation.bits else base.kv_bits
-    return Recipe(default, rules, kv, embedding, None, name, base.rotate)
+    return base.with_formats(default, rules, embedding, None, name)
 
 
 def check_budget_base(base: Recipe) -> None:
@@ -234,7 +233,7 @@ def check_budget_base(base: Recipe) -> None:
 def budget_recipe(model: Any, base: Recipe, rows: Sequence[torch.Tensor], bits_per_weight: float, *,
                   progress: bool = False) -> tuple[Recipe, BudgetReport]:
     """The recipe whose weights take at most ``bits_per_weight`` code bits on average with the
-    least measured loss (module docstring), and what it chose. ``base``: its kv_bits and rotation
+    least measured loss (module docstring), and what it chose. ``base``: its KV cache and rotation
     are kept; its activations must be 16-bit (every format chosen from is a 16-bit activation one)."""
     check_budget_base(base)
     start = time.perf_counter()

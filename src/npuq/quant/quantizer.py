@@ -14,9 +14,10 @@ What each op gets (docs/design.md §1; "act" is the activation format of the op'
     data movers     (view, transpose, slice, to, ...) output shares the input's encoding
     KV cache        cache input and cache concat take the new entries' encoding (derived from
                     their observer; cache contents are never observed), so KV input encoding =
-                    KV output encoding by construction; kv_bits 8 makes the K/V path
-                    uint8 symmetric: the RoPE add's output for K; for V, the view after the V
-                    projection requantizes its 16-bit output to uint8 (the HTP has no
+                    KV output encoding by construction; a recipe's 8-bit KV cache
+                    (Recipe.kv_format) makes the K/V path uint8 symmetric: the RoPE add's
+                    output for K; for V, the view after the V projection requantizes its
+                    16-bit output to uint8 (the HTP has no
                     FullyConnected/MatMul with 16-bit input and 8-bit output, docs/design.md §1)
 
 Which scheme an op gets is the recipe's decision (:mod:`npuq.quant.recipe`), by op kind and
@@ -31,7 +32,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantize
 from npuq.errors import NpuqError
 from npuq.quant import graph as g
 from npuq.quant.recipe import Recipe, RecipePlan
-from npuq.quant.schemes import INT16_SYM, UINT8_SYM, PerBlock, PerChannel, TensorFormat
+from npuq.quant.schemes import INT16_SYM, PerBlock, PerChannel, TensorFormat
 from npuq.quant.specs import activation_spec, bias_spec, copied_spec, weight_spec
 
 Q_ANNOTATION_KEY = "quantization_annotation"
@@ -68,6 +69,7 @@ class HtpQuantizer(Quantizer):
             self.plan = self.recipe.plan(model_layers(model))
         kv_roots = set(g.kv_output_roots(model, self.num_layers))
         default_act = self.recipe.scheme.activation
+        kv_fmt = self.recipe.kv_format  # None: the K/V path keeps each op's own activations
         out_fmt: dict[Node, TensorFormat] = {}  # the activation format each annotated node produces
         requant: dict[Node, TensorFormat] = {}  # nodes whose consumers requantize their output to this format
 
@@ -91,11 +93,11 @@ class HtpQuantizer(Quantizer):
             scheme = self.plan.scheme_of(g.module_path(node), kind)
             act = scheme.activation
             out = act
-            if node in kv_roots and self.recipe.kv_bits == 8:
-                if kind in ("linear", "matmul") and act.bits > 8:
-                    requant[node] = UINT8_SYM  # its 16-bit output is requantized by the next view
+            if node in kv_roots and kv_fmt is not None:
+                if kind in ("linear", "matmul") and act.bits > kv_fmt.bits:
+                    requant[node] = kv_fmt  # its 16-bit output is requantized by the next view
                 else:
-                    out = UINT8_SYM
+                    out = kv_fmt
             out_spec = activation_spec(out)
             float_args = [a for a in node.args if g.is_float_tensor(a)]
 

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Sequence
 
 from npuq.errors import NpuqError
 from npuq.fsio import read_json
-from npuq.quant.schemes import SCHEMES, Scheme, get_scheme
+from npuq.quant.schemes import SCHEMES, UINT8_SYM, Scheme, TensorFormat, get_scheme
 
 # Op kinds the quantizer assigns to graph nodes (see npuq.quant.quantizer).
 OP_KINDS = (
@@ -119,11 +119,26 @@ class Recipe:
     def scheme(self) -> Scheme:
         return get_scheme(self.default)
 
+    @property
+    def kv_format(self) -> TensorFormat | None:
+        """The format of the KV cache's codes where the recipe narrows it below the ops' own
+        activations: uint8 symmetric with an 8-bit cache (the K/V path is requantized to it,
+        npuq.quant.quantizer); None with a 16-bit one (each op's own activation format)."""
+        return UINT8_SYM if self.kv_bits == 8 else None
+
+    def with_formats(self, default: str, rules: Sequence[Rule] = (), embedding: str = "shared",
+                     lm_head: str | None = None, name: str = "") -> "Recipe":
+        """Other formats (default scheme, rules, embedding, lm head) with this recipe's KV cache and
+        rotation: a cache as wide as this default's activations follows the new default's, a
+        narrower one is kept."""
+        kv = None if self.kv_bits == self.scheme.activation.bits else self.kv_bits
+        return Recipe(default, tuple(rules), kv, embedding, lm_head, name, self.rotate)
+
     def with_default(self, scheme: str) -> "Recipe":
         """The same rules and options around another default scheme (``--scheme`` with ``--recipe``)."""
         get_scheme(scheme)
-        kv = None if self.kv_bits == self.scheme.activation.bits else self.kv_bits
-        return replace(self, default=scheme, kv_bits=kv, name=f"{self.name}@{scheme}" if self.name != self.default else scheme)
+        return self.with_formats(scheme, self.rules, self.embedding, self.lm_head,
+                                 f"{self.name}@{scheme}" if self.name != self.default else scheme)
 
     def with_rotation(self, rotate: str | None) -> "Recipe":
         """The same recipe with rotation ``rotate`` (``--rotate``; None: none), named for it when it changes."""
@@ -283,3 +298,8 @@ def load_recipe(spec: str | None, scheme: str | None = None) -> Recipe:
         data = read_json(path, f"--recipe {spec}", "write the recipe as a JSON object (see 'npuq quantize --help')")
         recipe = Recipe.from_dict(data, name=path.stem)
     return recipe.with_default(scheme) if scheme is not None and scheme != recipe.default else recipe
+
+
+def kv_cache_advice(bits: int) -> str:
+    """How a recipe asks for a ``bits``-wide KV cache, for the advice of a later stage that needs one."""
+    return f'a recipe that has "kv_bits": {bits} (a JSON recipe file such as {{"default": "16a8w", "kv_bits": {bits}}})'
