@@ -204,3 +204,16 @@ def test_artifact_config_refuses_what_does_not_fit(model_config, path, value, me
     data = _set(to_json(_config(model_config)), path, value)
     with pytest.raises(NpuqError, match=re.escape(message)):
         from_json(ArtifactConfig, data, "config.json")
+
+
+def test_execution_summary_keeps_its_json():
+    """report.json's "execution": ExecutionContext.describe() as a record, written as the dict was."""
+    from npuq.runtime.context import ExecutionContext
+    from npuq.threads import ExecutionSummary
+
+    ctx = ExecutionContext.create("cpu", num_threads=2)
+    ctx.adopt({"decode": 3})
+    summary = ctx.describe()
+    assert json.dumps(to_json(summary)) == json.dumps(
+        {"device": "cpu", "num_threads": 2, "thread_plan": {"decode": {"threads": 2, "source": "user"}}})
+    assert from_json(ExecutionSummary, json.loads(json.dumps(to_json(summary))), "execution") == summary

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from npuq.errors import NpuqError
 from npuq.eval.layers import LayersOptions, LayersResult
@@ -17,6 +16,7 @@ from npuq.models import ModelDescription
 from npuq.quantize.stage import QuantizeOptions, QuantizeResult
 from npuq.runtime.generate import GenerationsOptions, GenerationsResult
 from npuq.runtime.tuning import ThreadsOptions, ThreadsResult
+from npuq.threads import ExecutionSummary
 
 PROMPTS = (
     "The capital of France is",
@@ -89,7 +89,7 @@ class RunResults:
     """Every stage's result of one finished run, and where its files are."""
 
     options: RunOptions
-    execution: dict[str, Any]  # npuq.runtime.context.ExecutionContext.describe()
+    execution: ExecutionSummary  # npuq.runtime.context.ExecutionContext.describe()
     model: ModelDescription  # npuq.models.LoadedModel.info()
     threads: ThreadsResult
     quantize: QuantizeResult

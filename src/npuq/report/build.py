@@ -106,7 +106,7 @@ def build_report(run: RunResults) -> tuple[dict[str, Any], str]:
         "npuq_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "options": to_json(run.options),
-        "execution": run.execution,
+        "execution": to_json(run.execution),
         "model": to_json(run.model),
         "scheme": q.scheme,
         "recipe": {"name": q.recipe, "plan": list(artifact.recipe_plan or ()), "summary": q.recipe_summary,

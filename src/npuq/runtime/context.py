@@ -14,13 +14,14 @@ chunks), calibrate (whole windows: one-pass calibration and float scoring).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import ContextManager
 
 import torch
 
 from npuq.device import is_cpu, resolve_device
 from npuq.runtime.workloads import phase_workload
-from npuq.threads import ThreadPlan, check_requested, cpu_ceiling, plan_threads, scope_or_keep
+from npuq.threads import (ExecutionSummary, PhaseThreads, ThreadPlan, check_requested, cpu_ceiling, plan_threads,
+                          scope_or_keep)
 from npuq.threads.tuner import Workload
 
 
@@ -98,7 +99,7 @@ class ExecutionContext:
         sources = {p: self._sources.get(p, "user" if self.requested else "kept") for p in phases}
         return ThreadPlan(counts, sources)
 
-    def describe(self) -> dict[str, Any]:
-        return {"device": str(self.device), "num_threads": self.requested,
-                "thread_plan": {p: {"threads": n, "source": self._sources[p]} for p, n in self._threads.items()}}
+    def describe(self) -> ExecutionSummary:
+        return ExecutionSummary(str(self.device), self.requested,
+                                {p: PhaseThreads(n, self._sources[p]) for p, n in self._threads.items()})
 

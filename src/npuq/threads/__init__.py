@@ -8,12 +8,14 @@ The rest of npuq uses exactly two things from here:
 """
 
 from npuq.threads.limits import CpuLimits, cgroup_cpu_limit, cpu_ceiling, cpu_limits, cpu_model
-from npuq.threads.plan import SOURCES, ThreadPlan, check_requested, plan_threads, tune_cached
+from npuq.threads.plan import (SOURCES, ExecutionSummary, PhaseThreads, ThreadPlan, check_requested, plan_threads,
+                               tune_cached)
 from npuq.threads.scope import scope_or_keep, thread_scope
 from npuq.threads.tuner import BUDGETED, EXHAUSTIVE, TuneResult, TuneSettings, Workload, candidate_counts, choose, tune
 
 __all__ = [
-    "BUDGETED", "EXHAUSTIVE", "SOURCES", "CpuLimits", "ThreadPlan", "TuneResult", "TuneSettings", "Workload",
+    "BUDGETED", "EXHAUSTIVE", "SOURCES", "CpuLimits", "ExecutionSummary", "PhaseThreads", "ThreadPlan", "TuneResult",
+    "TuneSettings", "Workload",
     "candidate_counts", "cgroup_cpu_limit", "check_requested", "choose", "cpu_ceiling", "cpu_limits",
     "cpu_model", "plan_threads", "scope_or_keep",
     "thread_scope", "tune", "tune_cached",

@@ -66,6 +66,22 @@ class ThreadPlan:
         return {p: {"threads": n, "source": self.sources[p]} for p, n in self.threads.items()}
 
 
+@dataclass(frozen=True)
+class PhaseThreads:
+    threads: int
+    source: str  # one of SOURCES
+
+
+@dataclass(frozen=True)
+class ExecutionSummary:
+    """Where a run's work ran and at how many threads each planned phase ran (report.json's
+    "execution": npuq.runtime.context.ExecutionContext.describe)."""
+
+    device: str
+    num_threads: int  # --num-threads; 0: each phase planned
+    thread_plan: dict[str, PhaseThreads]  # phase → its count and where that came from, in planning order
+
+
 def check_requested(n: int, ceiling: int, flag: str = "--num-threads") -> None:
     """A user count must be >= 0 (0 = tune); above the ceiling it runs, oversubscribed, with a warning."""
     if n < 0:
