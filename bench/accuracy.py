@@ -52,6 +52,7 @@ from npuq.optimize.driver import RecoveryOptions
 from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.recovery import optimize_for_recipe
 from npuq.optimize.rotate import rotate_model
+from npuq.records import to_json
 from npuq.runtime.runner import forward_logits
 
 
@@ -200,7 +201,7 @@ def main() -> None:
                                        spec["layer_inputs"], gptq)
             scales, summary = optimize_for_recipe(
                 model, recipe, split_windows(calibs[spec["calib"]], args.context), recovery, progress=False)
-            row.update(optimize=summary)
+            row.update(optimize=to_json(summary))
         row["optimize_seconds"] = time.perf_counter() - start
         qm = quantize_model(model, recipe, calibs[spec["calib"]], context=args.context, weight_scales=scales)
         row["quantize_seconds"] = sum(qm.stats[k] for k in ("prepare_seconds", "calibration_seconds", "convert_seconds"))

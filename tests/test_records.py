@@ -14,6 +14,7 @@ from npuq.eval.perplexity import EvalOptions
 from npuq.lower.export import ExportOptions
 from npuq.lower.manifest import (EXPORT_FORMAT, ArtifactRef, GraphEntry, IOEncoding, IOEntry, LoweringChoices, Manifest,
                                  TargetInfo, TokenizerRef)
+from npuq.optimize.recovery import RecoverySummary
 from npuq.runs import RunOptions
 from npuq.quant.recipe import RECIPES
 from npuq.quantize.artifact import ArtifactConfig, ModelInfo, ProgramEntry
@@ -164,10 +165,26 @@ def test_manifest_round_trip(model_config):
 def test_artifact_config_round_trip(model_config):
     for config in (_config(model_config),
                    _config(model_config, model=ModelInfo("tiny", "/models/tiny", "0" * 64),
-                           calibration={"corpus": "builtin"}, optimize={"seq_mse": None}, recipe_plan=None)):
+                           calibration={"corpus": "builtin"}, recipe_plan=None,
+                           optimize=from_json(RecoverySummary, OPTIMIZE_JSON, "optimize"))):
         data = json.loads(json.dumps(to_json(config)))
         assert from_json(ArtifactConfig, data, "config.json") == config
         assert ("model" in data) == (config.model is not None) and "optimize" in data
+
+
+# config.json's "optimize" as npuq wrote it when it was a dict (format 2 onwards)
+OPTIMIZE_JSON = {"seq_mse": {"candidates": 4, "granularity": "channel", "seconds": 1.5},
+                 "weight_rounding": {"method": "gptq", "seconds": 2.25, "act_order": True},
+                 "gram_seconds": 0.5, "layer_inputs": "quantized", "layers": 211, "output_error_reduction": 0.42}
+
+
+def test_optimize_summary_keeps_its_json():
+    """The recovery summary record reads what the dict-writing versions wrote and writes it back
+    byte for byte (same keys, same order), so existing artifacts read back unchanged."""
+    for data in (OPTIMIZE_JSON, {**OPTIMIZE_JSON, "seq_mse": {"candidates": None, "granularity": None, "seconds": 0.0},
+                                 "weight_rounding": {"method": "nearest", "seconds": 0.1, "act_order": None}}):
+        record = from_json(RecoverySummary, json.loads(json.dumps(data)), "optimize")
+        assert json.dumps(to_json(record)) == json.dumps(data)
 
 
 def _set(data, path, value):

@@ -385,7 +385,7 @@ def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
         raise NpuqError("--kl-divergence scores a corpus; --tasks scores tasks: run them as two commands")
     try:
         # loaded on use (torch): --help stays fast
-        from npuq.eval.lm_eval_adapter import NpuqLM, run_tasks, task_manager
+        from npuq.eval.lm_eval_adapter import NpuqLM, TasksResult, run_tasks, task_manager
     except ImportError as exc:
         raise NpuqError(f"--tasks needs lm-evaluation-harness ({exc}): pip install 'npuq[tasks]' "
                         "(lm-eval==0.4.13)") from None
@@ -414,9 +414,8 @@ def _eval_tasks(args: argparse.Namespace) -> dict[str, Any]:
     print(result.pop("table"))
     print(f"[{', '.join(tasks)}: context {lm.context}, {time.perf_counter() - start:.1f} s, {threads} threads, "
           f"{ctx.device}]", file=sys.stderr)
-    return {**result, "tasks": tasks, "graphs": graphs, "context": lm.context, "limit": args.limit,
-            "num_fewshot": args.num_fewshot, "seconds": time.perf_counter() - start, "threads": threads,
-            "device": str(ctx.device)}
+    return TasksResult(result, tuple(tasks), graphs, lm.context, args.limit, args.num_fewshot,
+                       time.perf_counter() - start, threads, str(ctx.device)).to_dict()
 
 
 # --------------------------------------------------------------------------- tune-threads

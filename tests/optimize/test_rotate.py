@@ -241,7 +241,7 @@ def test_seqmse_and_gptq_run_on_rotated_weights():
         w = model.get_submodule(name).weight
         codes = w / s.unsqueeze(1)
         assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.abs().max() <= 7 + 1e-4, name
-    assert summary["layers"] == len(linears) and summary["output_error_reduction"] > 0.2
+    assert summary.layers == len(linears) and summary.output_error_reduction > 0.2
 
 
 def test_the_quantizer_takes_a_rotated_untied_model():

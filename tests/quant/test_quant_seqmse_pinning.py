@@ -31,7 +31,7 @@ def test_optimized_scales_land_in_the_encodings(rounding):
     windows = split_windows(tokens, 32)
     scales, summary = optimize_for_recipe(model, recipe, windows, RecoveryOptions(seq_mse=20, weight_rounding=rounding),
                                           progress=False)
-    assert summary["layers"] == len(scales) and summary["output_error_reduction"] > 0
+    assert summary.layers == len(scales) and summary.output_error_reduction > 0
     qm = quantize_model(model, recipe, tokens, context=32, weight_scales=scales)
     params = {e["name"]: e for e in qm.encodings["param_encodings"]}
     for path, scale in scales.items():
@@ -111,7 +111,7 @@ def test_lpbq_blocks_land_in_the_encodings(seq_mse):
     tokens = _tokens(model.config.vocab_size, 96)
     scales, summary = optimize_for_recipe(model, recipe, split_windows(tokens, 32),
                                           RecoveryOptions(seq_mse, weight_rounding="gptq"), progress=False)
-    assert summary["output_error_reduction"] > 0 and all(s.dim() == 2 for s in scales.values())
+    assert summary.output_error_reduction > 0 and all(s.dim() == 2 for s in scales.values())
     qm = quantize_model(model, recipe, tokens, context=32, weight_scales=scales)
     params = {e["name"]: e for e in qm.encodings["param_encodings"]}
     for path, scale in scales.items():

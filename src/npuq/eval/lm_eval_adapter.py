@@ -26,6 +26,7 @@ lm-eval is an optional dependency (``pip install 'npuq[tasks]'``); this module i
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import lm_eval
@@ -38,6 +39,7 @@ from lm_eval.utils import make_table
 from npuq.data.windows import Window, document_windows, length_batches
 from npuq.errors import NpuqError
 from npuq.eval.perplexity import LogitsFn, prefix_token_id, score_windows, window_logits, window_loglikelihood
+from npuq.records import to_json
 from npuq.runtime.runner import StaticRunner
 
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for generate_until
@@ -196,3 +198,22 @@ def run_tasks(lm: NpuqLM, tasks: Sequence[str], manager: Any, limit: float | Non
         "lm_eval_version": lm_eval.__version__,
         "table": make_table(results),
     }
+
+
+@dataclass(frozen=True)
+class TasksResult:
+    """``npuq eval --tasks``: lm-eval's report as the harness gives it (its own keys, such as
+    "n-shot") and what npuq ran the tasks on. :meth:`to_dict` writes the harness's keys first."""
+
+    harness: dict[str, Any]  # :func:`run_tasks` without its table
+    tasks: tuple[str, ...]
+    graphs: dict[str, Any]  # what ran: the float model's name, or the graphs opened (Programs.describe)
+    context: int
+    limit: int | None  # --limit: documents scored per task; None: all
+    num_fewshot: int | None  # --num-fewshot; None: each task's own
+    seconds: float
+    threads: int
+    device: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.harness, **{k: v for k, v in to_json(self).items() if k != "harness"}}

@@ -11,7 +11,6 @@ It runs on the device of the weight and the Gram matrix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -80,7 +79,3 @@ class GptqOptions:
 
     def codes(self, weight: torch.Tensor, gram: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
         return gptq_codes(weight, gram, scale, bits, damp=self.damp, block=self.block, act_order=self.act_order)
-
-    def summary(self) -> dict[str, Any]:
-        """What an artifact records of these choices (its optimize section)."""
-        return {"act_order": self.act_order}

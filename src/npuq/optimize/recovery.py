@@ -1,9 +1,10 @@
-"""Accuracy recovery for a whole model under a recipe: which layers SeqMSE/GPTQ may touch, and
-the driver call (npuq.optimize.driver.RecoveryOptions, checked on construction) whose scales
-the quantizer pins."""
+"""Accuracy recovery for a whole model under a recipe: which layers SeqMSE/GPTQ may touch, the
+driver call (npuq.optimize.driver.RecoveryOptions, checked on construction) whose scales the
+quantizer pins, and what it did (:class:`RecoverySummary`, an artifact's "optimize" record)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,8 +12,34 @@ import torch
 from npuq.device import is_cpu
 from npuq.errors import NpuqError
 from npuq.optimize.driver import MAX_BITS, RecoveryOptions, WeightSpec, optimize_weights
-from npuq.optimize.gptq import GptqOptions
 from npuq.quant.schemes import PerBlock
+
+
+@dataclass(frozen=True)
+class SeqMseSummary:
+    candidates: int | None  # candidate scales per weight; None: min/max scales
+    granularity: str | None  # None without SeqMSE
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RoundingSummary:
+    method: str  # npuq.optimize.driver.ROUNDINGS
+    seconds: float
+    act_order: bool | None  # GPTQ's column order; None: nearest rounding
+
+
+@dataclass(frozen=True)
+class RecoverySummary:
+    """What SeqMSE and GPTQ did to a model: config.json's "optimize" and the quantize result's
+    ``seq_mse`` / ``weight_rounding`` (written with npuq.records.to_json, in this field order)."""
+
+    seq_mse: SeqMseSummary
+    weight_rounding: RoundingSummary
+    gram_seconds: float  # collecting the layers' input Gram matrices
+    layer_inputs: str  # npuq.optimize.driver.INPUTS
+    layers: int  # linear layers optimised
+    output_error_reduction: float  # 1 - the layers' summed output error after / with min/max scales
 
 
 def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
@@ -37,10 +64,10 @@ def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
 
 def optimize_for_recipe(
     model: Any, recipe: Any, windows: Any, options: RecoveryOptions, *, progress: bool, device: Any = None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], RecoverySummary]:
     """SeqMSE and/or GPTQ as ``options`` say on every linear layer of the float ``model``
     (weights rewritten in place on the chosen grid). Returns (module path → (O,) scales, or
-    (O, blocks) for LPBQ, to pin; JSON summary).
+    (O, blocks) for LPBQ, to pin; what was done).
 
     On a GPU ``device`` the model visits it for the Gram collection and the search and comes
     back to the CPU (where it is exported) with its rewritten weights."""
@@ -60,14 +87,13 @@ def optimize_for_recipe(
     before = sum(r.loss_minmax for r in results.values())
     after = sum(r.loss for r in results.values())
     o = options
-    gptq = o.gptq.summary() if o.gptq is not None else dict.fromkeys(GptqOptions().summary())
-    summary = {
-        "seq_mse": {"candidates": o.seq_mse, "granularity": o.seq_mse_granularity if o.seq_mse else None,
-                    "seconds": timings["seq_mse_seconds"]},
-        "weight_rounding": {"method": o.weight_rounding, "seconds": timings["rounding_seconds"], **gptq},
-        "gram_seconds": timings["collect_seconds"],
-        "layer_inputs": o.layer_inputs,
-        "layers": len(results),
-        "output_error_reduction": 1 - after / before if before > 0 else 0.0,
-    }
+    summary = RecoverySummary(
+        seq_mse=SeqMseSummary(o.seq_mse, o.seq_mse_granularity if o.seq_mse else None, timings["seq_mse_seconds"]),
+        weight_rounding=RoundingSummary(o.weight_rounding, timings["rounding_seconds"],
+                                        o.gptq.act_order if o.gptq is not None else None),
+        gram_seconds=timings["collect_seconds"],
+        layer_inputs=o.layer_inputs,
+        layers=len(results),
+        output_error_reduction=1 - after / before if before > 0 else 0.0,
+    )
     return {name: r.scale for name, r in results.items()}, summary

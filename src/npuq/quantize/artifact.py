@@ -55,6 +55,7 @@ from npuq.quantize.passes import fold_constant_dequant, simplify_qdq
 from npuq.quantize.pt2e import QuantizedModel, QuantizedPart, check_parts
 from npuq.runtime.runner import PartChain, tokens_shape
 from npuq.optimize.budget import RECIPE_FILE, BudgetReport
+from npuq.optimize.recovery import RecoverySummary
 from npuq.quant.recipe import Recipe
 from npuq.quant.size import WeightSize
 from npuq.records import from_json, optional_key, to_json
@@ -104,7 +105,7 @@ class ArtifactConfig:
     format: str = ARTIFACT_FORMAT
     model: ModelInfo | None = optional_key()  # None (no key): save_artifact was not given it
     calibration: dict[str, Any] | None = optional_key()  # corpus, tokens, mode, batch, threads, device
-    optimize: dict[str, Any] | None = None  # SeqMSE / GPTQ summaries; None: nearest rounding
+    optimize: RecoverySummary | None = None  # what SeqMSE / GPTQ did; None: neither ran (nearest rounding)
     rotation: dict[str, Any] | None = optional_key()  # RotationReport folded into the weights; None (no key): none
     model_config: dict[str, Any]  # ModelConfig.to_dict(); read with :attr:`cfg`
     context: int
@@ -269,7 +270,7 @@ class ArtifactWriter:
         self.parts.append(PartEntry(part.layers, folder.name))
 
     def finish(self, qm: QuantizedModel, *, model: ModelInfo | None = None, calibration: dict[str, Any] | None = None,
-               optimize: dict[str, Any] | None = None, rotation: dict[str, Any] | None = None,
+               optimize: RecoverySummary | None = None, rotation: dict[str, Any] | None = None,
                extra: ArtifactExtra | None = None) -> None:
         """Write encodings.json and config.json once every part is stored; ``model``,
         ``calibration``, ``optimize`` and ``rotation`` go into config.json as they are, and so do
@@ -317,7 +318,7 @@ def writing_artifact(out: str | os.PathLike, parts: int = 1, *, force: bool = Fa
 
 
 def save_artifact(qm: QuantizedModel, out: str | os.PathLike, *, force: bool = False, model: ModelInfo | None = None,
-                  calibration: dict[str, Any] | None = None, optimize: dict[str, Any] | None = None,
+                  calibration: dict[str, Any] | None = None, optimize: RecoverySummary | None = None,
                   rotation: dict[str, Any] | None = None, extra: ArtifactExtra | None = None) -> Path:
     """Write ``qm`` (with its programs) to the folder ``out`` atomically (see the module
     docstring and :class:`ArtifactWriter`)."""

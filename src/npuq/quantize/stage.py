@@ -24,7 +24,7 @@ from npuq.models.stream import StreamedDecoder
 from npuq.optimize.budget import BudgetReport, budget_recipe, check_budget_base
 from npuq.optimize.driver import RecoveryOptions
 from npuq.optimize.gptq import GptqOptions
-from npuq.optimize.recovery import optimize_for_recipe
+from npuq.optimize.recovery import RoundingSummary, SeqMseSummary, optimize_for_recipe
 from npuq.optimize.rotate import rotate_model, rotate_streamed
 from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS, load_recipe
 from npuq.quant.size import WeightSize, model_weights, recipe_size
@@ -132,8 +132,8 @@ class QuantizeResult:
     prefill_len: int
     batch_size: int  # windows per forward actually used (the memory guard may lower it)
     replacement_characters: int  # non-UTF-8 byte sequences in the calibration text, read as U+FFFD
-    seq_mse: dict[str, Any] | None = None
-    weight_rounding: dict[str, Any] | None = None
+    seq_mse: SeqMseSummary | None = None  # None: neither SeqMSE nor GPTQ ran
+    weight_rounding: RoundingSummary | None = None
     layer_inputs: str | None = None
     export_seconds: float | None = None  # the part of prepare_seconds that traced the model graph
     save_seconds: float | None = None  # writing the artifact folder
@@ -283,9 +283,9 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         convert_seconds=s["convert_seconds"], total_seconds=time.perf_counter() - start, threads=s["threads"],
         thread_plan=plan.to_dict(), device=str(ctx.device), context=o.context, prefill_len=qm.prefill_len,
         batch_size=s["batch_size"], replacement_characters=replaced,
-        seq_mse=optimized["seq_mse"] if optimized else None,
-        weight_rounding=optimized["weight_rounding"] if optimized else None,
-        layer_inputs=optimized["layer_inputs"] if optimized else None,
+        seq_mse=optimized.seq_mse if optimized is not None else None,
+        weight_rounding=optimized.weight_rounding if optimized is not None else None,
+        layer_inputs=optimized.layer_inputs if optimized is not None else None,
         export_seconds=s.get("export_seconds"), save_seconds=saved, rotation=rotation_json,
         parts=parts, streamed=streamed,
         bits_per_weight=size.bits_per_weight, weight_bytes=size.weight_bytes, budget=budget,

@@ -95,8 +95,8 @@ def build_report(run: RunResults) -> tuple[dict[str, Any], str]:
         "mode": q.calibration_mode, "tokens": q.calibration_tokens, "threads": q.threads,
         "prepare_seconds": q.prepare_seconds, "calibration_seconds": q.calibration_seconds,
         "convert_seconds": q.convert_seconds,
-        "seq_mse_seconds": (q.seq_mse or {}).get("seconds") or 0.0,
-        "weight_rounding_seconds": (q.weight_rounding or {}).get("seconds") or 0.0,
+        "seq_mse_seconds": q.seq_mse.seconds if q.seq_mse is not None else 0.0,
+        "weight_rounding_seconds": q.weight_rounding.seconds if q.weight_rounding is not None else 0.0,
         "rotation_seconds": (q.rotation or {}).get("seconds") or 0.0,
         "total_seconds": q.total_seconds,
     }
