@@ -130,8 +130,8 @@ def main() -> None:
         if rotate is None:
             return None
         if rotate not in rotated:
-            r1, r2 = ROTATIONS[rotate]
-            report = rotate_model(model, seed=ROTATION_SEED, r1=r1, r2=r2)  # as npuq quantize --rotate does
+            folded = ROTATIONS[rotate]
+            report = rotate_model(model, seed=ROTATION_SEED, r1=folded.r1, r2=folded.r2)  # as npuq quantize --rotate does
             rotated[rotate] = ({k: v.clone() for k, v in model.state_dict().items()}, model.config,
                                dataclasses.asdict(report))
         state, cfg, report = rotated[rotate]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from npuq.errors import NpuqError
-from npuq.quant.recipe import RECIPES, Recipe, Rule, default_recipe, load_recipe
+from npuq.quant.recipe import RECIPES, Recipe, Rotation, Rule, default_recipe, load_recipe
 from npuq.quant.schemes import UINT8_SYM
 
 LAYERS = [
@@ -112,9 +112,23 @@ def test_scheme_flag_replaces_the_default():
         load_recipe(None, "3a3w")
 
 
+def test_rotate_flag_is_settled_in_the_recipe():
+    """--rotate replaces the recipe's own rotation in load_recipe, the one place both meet; the
+    stages read Recipe.rotation of the recipe it returns."""
+    assert load_recipe(None).rotation == Rotation(r1=True) and RECIPES["16a16w"].rotation is None
+    assert load_recipe(None, rotate="none").rotation is None
+    assert load_recipe(None, rotate="none").name == "16a8w+norotate"
+    assert load_recipe("16a4w_mixed", "16a8w", "r1+r2").rotation == Rotation(r1=True, r2=True)
+    assert load_recipe("16a4w_mixed", "16a8w", "r1+r2").name == "16a4w_mixed@16a8w+r1+r2"
+    assert load_recipe(None, "16a8w", "r1") is default_recipe()  # the recipe's own: unchanged, not renamed
+    with pytest.raises(NpuqError, match="unknown --rotate"):
+        load_recipe(None, rotate="r2")
+
+
 def test_kv_cache_format_and_new_formats_keep_it():
     assert Recipe("16a8w", kv_bits=8).kv_format == UINT8_SYM and Recipe("8a8w").kv_format == UINT8_SYM
     assert Recipe("16a8w").kv_format is None
     # a cache narrower than the activations travels to other formats; one as wide follows them
     assert Recipe("16a8w", kv_bits=8, rotate="r1").with_formats("16a4w").kv_format == UINT8_SYM
+    assert Recipe("16a8w", kv_bits=8, rotate="r1").with_formats("16a4w").rotation == Rotation(r1=True)
     assert Recipe("16a8w").with_formats("8a8w").to_dict() == Recipe("8a8w").to_dict()

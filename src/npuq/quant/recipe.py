@@ -5,7 +5,7 @@ A recipe is a default scheme, an ordered list of rules and a few options:
     rule      op kind and/or module-path regex → scheme, with a priority
     options   kv_bits (8 | 16), embedding (shared | pcq8 | pcq4), lm_head (a scheme or None),
               rotate (None | "r1" | "r1+r2": rotations folded into the float weights before
-              calibration, npuq.optimize.rotate)
+              calibration, npuq.optimize.rotate; ``--rotate`` replaces it in :func:`load_recipe`)
 
 A "layer" is one (module path, op kind) pair of the exported graph; module paths come from
 ``node.meta["nn_module_stack"]`` and read like the checkpoint (``layers.3.mlp.down_proj``).
@@ -44,9 +44,20 @@ OP_KINDS = (
     "rope_table",  # gather from the cos/sin tables
 )
 EMBEDDING_MODES = ("shared", "pcq8", "pcq4")
-ROTATIONS = {"r1": (True, False), "r1+r2": (True, True)}  # rotate → (R1, R2) of npuq.optimize.rotate.rotate_model
-ROTATE_CHOICES = ("none", *ROTATIONS)  # --rotate
 LM_HEAD_PATH = "lm_head"
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """Rotations folded into the float weights before calibration: R1 on the residual stream,
+    R2 per attention head between v and o (npuq.optimize.rotate.rotate_model's ``r1``, ``r2``)."""
+
+    r1: bool
+    r2: bool = False
+
+
+ROTATIONS = {"r1": Rotation(r1=True), "r1+r2": Rotation(r1=True, r2=True)}  # a recipe's "rotate" → its Rotation
+ROTATE_CHOICES = ("none", *ROTATIONS)  # --rotate
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,12 @@ class Recipe:
     @property
     def scheme(self) -> Scheme:
         return get_scheme(self.default)
+
+    @property
+    def rotation(self) -> Rotation | None:
+        """The rotations to fold into the weights before calibration; None: none. Settled once, by
+        :func:`load_recipe` (the recipe's own or ``--rotate``'s): the stages read only this."""
+        return None if self.rotate is None else ROTATIONS[self.rotate]
 
     @property
     def kv_format(self) -> TensorFormat | None:
@@ -278,17 +295,22 @@ def default_recipe() -> Recipe:
     return RECIPES[DEFAULT_RECIPE]
 
 
-def load_recipe(spec: str | None, scheme: str | None = None) -> Recipe:
-    """The recipe for the CLI's ``--recipe`` / ``--scheme``.
+def load_recipe(spec: str | None, scheme: str | None = None, rotate: str | None = None) -> Recipe:
+    """The recipe for the CLI's ``--recipe`` / ``--scheme`` / ``--rotate``.
 
     ``spec``: a built-in recipe name or a .json file; None: the default (:func:`default_recipe`). ``scheme``
     replaces the recipe's default scheme (with no ``spec``: the uniform recipe of that scheme).
+    ``rotate`` (one of ROTATE_CHOICES) replaces the recipe's own rotation, "none" by none; None
+    keeps it. The rotation is decided here and nowhere else: the recipe returned holds it
+    (:attr:`Recipe.rotation`).
     """
     if scheme is not None:
         get_scheme(scheme)
+    if rotate is not None and rotate not in ROTATE_CHOICES:
+        raise NpuqError(f"unknown --rotate {rotate!r}; choose one of {', '.join(ROTATE_CHOICES)}")
     if spec is None:
-        return RECIPES[scheme] if scheme is not None else default_recipe()
-    if spec in RECIPES:
+        recipe = RECIPES[scheme] if scheme is not None else default_recipe()
+    elif spec in RECIPES:
         recipe = RECIPES[spec]
     else:
         path = Path(spec).expanduser()
@@ -297,7 +319,9 @@ def load_recipe(spec: str | None, scheme: str | None = None) -> Recipe:
 
         data = read_json(path, f"--recipe {spec}", "write the recipe as a JSON object (see 'npuq quantize --help')")
         recipe = Recipe.from_dict(data, name=path.stem)
-    return recipe.with_default(scheme) if scheme is not None and scheme != recipe.default else recipe
+    if scheme is not None and scheme != recipe.default:
+        recipe = recipe.with_default(scheme)
+    return recipe if rotate is None else recipe.with_rotation(None if rotate == "none" else rotate)
 
 
 def kv_cache_advice(bits: int) -> str:

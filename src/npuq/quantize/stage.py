@@ -26,7 +26,7 @@ from npuq.optimize.driver import RecoveryOptions
 from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.recovery import RoundingSummary, SeqMseSummary, optimize_for_recipe
 from npuq.optimize.rotate import rotate_model, rotate_streamed
-from npuq.quant.recipe import ROTATE_CHOICES, ROTATIONS, load_recipe
+from npuq.quant.recipe import ROTATE_CHOICES, load_recipe
 from npuq.quant.size import WeightSize, model_weights, recipe_size
 from npuq.quantize.artifact import ArtifactExtra, ModelInfo, check_destination, start_weights_sha256, writing_artifact
 from npuq.quantize.pt2e import CALIBRATION_MODES, default_prefill_len, even_parts, quantize_model
@@ -58,7 +58,8 @@ class QuantizeOptions:
     weight_rounding: str = "nearest"
     layer_inputs: str | None = None  # None: "quantized" when recovery is on (RecoveryOptions)
     act_order: bool | None = None  # None: on with GPTQ
-    rotate: str | None = None  # ROTATE_CHOICES; None: the recipe's (built-in 4-bit recipes: r1)
+    rotate: str | None = None  # ROTATE_CHOICES; None: the recipe's (built-in 4-bit recipes: r1). Read only
+    # by load_recipe, which settles the rotation into the recipe (Recipe.rotation): nothing reads both
     parts: int | None = optional_key()  # quantize in this many parts, streamed; None: auto_parts
     # mean weight bits to choose each layer's format for (npuq.optimize.budget); None (no key,
     # so the records of runs without it keep their keys): the recipe's formats
@@ -158,10 +159,9 @@ class QuantizeResult:
 
 def check_quantize(options: QuantizeOptions) -> Any:
     """What can be checked without the model, beyond the record's own checks: the recipe (a
-    file is read) and the calibration corpus. Returns (recipe, calibration documents)."""
-    recipe = load_recipe(options.recipe, options.scheme)
-    if options.rotate is not None:
-        recipe = recipe.with_rotation(None if options.rotate == "none" else options.rotate)
+    file is read) and the calibration corpus. Returns (recipe, calibration documents); the
+    recipe holds the rotation decided from the recipe's own and ``--rotate``."""
+    recipe = load_recipe(options.recipe, options.scheme, options.rotate)
     if options.bits_per_weight is not None:
         check_budget_base(recipe)
     return recipe, load_corpus(options.calib_corpus, "calib")  # an empty or missing corpus fails here
@@ -230,13 +230,13 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         weights_sha256()
     rotation = None
     streamed = isinstance(loaded.model, StreamedDecoder)
-    if recipe.rotate is not None:  # before everything that reads the weights: the artifact holds rotated ones
-        r1, r2 = ROTATIONS[recipe.rotate]
+    folded = recipe.rotation
+    if folded is not None:  # before everything that reads the weights: the artifact holds rotated ones
         if streamed:  # each part is rotated as it is read: the hash reads the checkpoint as it is
-            rotation = rotate_streamed(loaded.model, seed=ROTATION_SEED, r1=r1, r2=r2)
+            rotation = rotate_streamed(loaded.model, seed=ROTATION_SEED, r1=folded.r1, r2=folded.r2)
         else:
             weights_sha256()  # the rotation writes the weights in place: the hash first
-            rotation = rotate_model(loaded.model, seed=ROTATION_SEED, r1=r1, r2=r2)
+            rotation = rotate_model(loaded.model, seed=ROTATION_SEED, r1=folded.r1, r2=folded.r2)
         if ctx.progress:
             print(rotation.describe(), file=sys.stderr, flush=True)
     # Timing thread counts runs the model; streamed, each run would read every weight from disk.
