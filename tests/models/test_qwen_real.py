@@ -53,7 +53,7 @@ def test_the_joined_file_is_the_pinned_gguf(loaded):
     from npuq.models.gguf_cache import file_sha256
 
     info = loaded.info()
-    assert (info["architecture"], info["layers"], info["heads"], info["kv_heads"]) == ("qwen2", 24, 14, 2)
+    assert (info.architecture, info.layers, info.heads, info.kv_heads) == ("qwen2", 24, 14, 2)
     assert file_sha256(loaded.source) == ENTRY.sha256
 
 
