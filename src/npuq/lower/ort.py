@@ -18,6 +18,7 @@ backend (in CPU emulation on x86-64 hosts, on the NPU on a device).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -26,16 +27,20 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto as T, helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_tensor
 
 from npuq.fsio import resolve_inside
 from npuq.errors import NpuqError
-from npuq.lower.manifest import GraphEntry, IOEncoding, Manifest, read_manifest
+from npuq.lower.manifest import GraphEntry, IOEncoding, IOEntry, Manifest, PartRef, read_manifest, shard_tag
+from npuq.lower.onnx_writer import IR_VERSION
+from npuq.lower.shards import HIDDEN_PREFIX, part_io_names
+from npuq.runtime.runner import PartChain
 
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 PROVIDERS = ("cpu", "htp")
@@ -188,7 +193,8 @@ class OrtGraph:
 
     ``io`` is the graph's entry of manifest.json (inputs/outputs with names, shapes, dtypes
     and encodings: :class:`npuq.lower.manifest.GraphEntry`). KV-cache inputs holding quantized codes are passed as codes in any
-    tensor dtype (a float32 buffer holds uint16 codes exactly) and come back as int32 codes;
+    tensor dtype (a float32 buffer holds uint16 codes exactly) and come back as int32 codes, as
+    do the hidden states a shard of a sharded export takes and returns (``hidden_<L>``);
     float inputs that the graph takes quantized are quantized here, and quantized outputs
     other than the caches (e.g. logits) are dequantized. A graph whose cache I/O is declared
     heads first, [KV, B, ...] (``kv_heads_first``: ``npuq export --genai windowed``), gets and
@@ -198,9 +204,11 @@ class OrtGraph:
     holds its weights in memory.
     """
 
-    def __init__(self, session, io: GraphEntry, cache_prefixes: Sequence[str] = ("k_cache", "v_cache", "k_new", "v_new"),
-                 file: str | None = None):
+    def __init__(self, session, io: GraphEntry,
+                 cache_prefixes: Sequence[str] = ("k_cache", "v_cache", "k_new", "v_new", HIDDEN_PREFIX),
+                 file: str | None = None, on_release=None):
         self._session, self._open = (session, None) if hasattr(session, "run") else (None, session)
+        self._on_release = on_release
         self.file = file or io.file  # the file the session runs: the QDQ graph or its compiled context
         self.inputs = io.inputs
         self.outputs = io.outputs
@@ -209,13 +217,21 @@ class OrtGraph:
         # What an empty cache slot holds (npuq.runtime.runner.Graph): each cache input's zero
         # point, the code of 0.0; 0.0 for a float cache.
         self.empty_cache = tuple(float(s.encoding.zero_point) if s.encoding is not None else 0.0
-                                 for s in self.inputs if s.name in self._codes)
+                                 for s in self.inputs if s.name in self._codes and not s.name.startswith(HIDDEN_PREFIX))
 
     @property
     def session(self):
         if self._session is None:
             self._session = self._open()
         return self._session
+
+    def release(self) -> None:
+        """Close a session this graph opened itself (it opens again on the next call), freeing
+        its weights: :func:`npuq.runtime.runner.run_in_turn` runs a sharded export one shard at a time."""
+        if self._open is not None:
+            self._session = None
+            if self._on_release is not None:
+                self._on_release()
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         if len(args) != len(self.inputs):
@@ -259,30 +275,116 @@ def context_use(manifest: Manifest, provider: str, htp_arch: int | None = None) 
     return True, f"QNN contexts compiled for HTP v{compiled.htp_arch}"
 
 
-def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[Manifest, dict[int, OrtGraph]]:
+def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[Manifest, dict[int, OrtGraph | PartChain]]:
     """(manifest, {ar_len: graph}) for a folder written by ``npuq export``; the manifest is
     checked first (:func:`npuq.lower.manifest.read_manifest`: graph files must lie inside
     ``folder``), and a graph ONNX Runtime cannot open is an :class:`NpuqError`. On ``htp`` the
     compiled contexts run when :func:`context_use` says so (their outputs are the QDQ graph's,
-    bit for bit, and they load in a fraction of the time)."""
+    bit for bit, and they load in a fraction of the time). A sharded export's graphs of one
+    ar_len run as one (:class:`npuq.runtime.runner.PartChain`: each shard gets the hidden states
+    the one before it returned, and its own layers' caches); each shard's session opens on its
+    first call."""
     folder = Path(folder)
     if provider not in PROVIDERS:
         raise NpuqError(f"unknown provider {provider!r}; choose {', '.join(PROVIDERS)}")
     manifest = read_manifest(folder)
     arch = htp_arch if htp_arch is not None else manifest.target.htp_arch
     contexts, _ = context_use(manifest, provider, htp_arch)
-    graphs = {}
-    shared: dict = {}  # the weights both CPU graphs feed (dequantized_weights)
-    for kind, entry in manifest.graphs.items():
+    shared: dict = {}  # the weights a shard's CPU graphs both feed (dequantized_weights)
+
+    def graph(name: str, entry: GraphEntry) -> OrtGraph:
         if contexts:
-            file = manifest.compiled.graphs[kind].file
+            file = manifest.compiled.graphs[name].file
             path = resolve_inside(folder, file, f"--onnx {folder}")
-            graphs[entry.ar_len] = OrtGraph(htp_session(path, manifest.compiled.htp_arch), entry, file=file)
-            continue
+            return OrtGraph(htp_session(path, manifest.compiled.htp_arch), entry, file=file)
         path = resolve_inside(folder, entry.file, f"--onnx {folder}")
         session = functools.partial(_open_cpu, path, shared) if provider == "cpu" else htp_session(path, arch)
-        graphs[entry.ar_len] = OrtGraph(session, entry)
-    return manifest, graphs
+        return OrtGraph(session, entry)
+
+    # A graph exported from an artifact in parts runs part by part on the CPU when it scores
+    # (PartChain.in_turn): each part's nodes are cut out of its graph and opened alone, its
+    # weights dequantized once, and closed before the next part opens, so the peak is one part.
+    by_part = provider == "cpu" and not contexts and all(e.parts for e in manifest.graph_entries().values())
+    chains: dict[int, list[tuple[tuple[int, int], Any]]] = {}
+    shards = manifest.shards or (None,)
+    shared: dict[str, dict] = {}  # per part: the weights its decode and prefill graphs both feed
+    for k, shard in enumerate(shards):
+        graphs = manifest.graphs if shard is None else shard.graphs
+        for kind, entry in graphs.items():
+            name = f"{kind}{shard_tag(k, len(shards))}" if shard is not None else kind
+            steps = chains.setdefault(entry.ar_len, [])
+            if not by_part:
+                steps.append((shard.layers if shard is not None else (0, manifest.cfg.num_layers), graph(name, entry)))
+                continue
+            path = resolve_inside(folder, entry.file, f"--onnx {folder}")
+            for ref, io in zip(entry.parts, _part_entries(path, entry, manifest.cfg)):
+                weights = shared.setdefault(ref.prefix, {})
+                steps.append((ref.layers, OrtGraph(functools.partial(_open_part, path, ref, io, weights), io,
+                                                   on_release=weights.clear)))
+    if manifest.shards is None and not by_part:
+        return manifest, {ar: steps[0][1] for ar, steps in chains.items()}
+    return manifest, {ar: PartChain([layers for layers, _ in steps], [g for _, g in steps], in_turn=True)
+                      for ar, steps in chains.items()}
+
+
+def _part_entries(path: Path, entry: GraphEntry, cfg: Any) -> list[GraphEntry]:
+    """Each part of ``entry`` (a graph exported from an artifact in parts) as a graph of its own:
+    the graph's I/O where the part's I/O is the graph's, and the ``hidden_<L>`` codes between
+    two parts inside it, in the encoding of the QuantizeLinear that writes them. Reads the
+    graph's nodes and small initializers, not its weights."""
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    known = {s.name: s for s in entry.inputs + entry.outputs}
+
+    def io(name: str) -> IOEntry:
+        if name in known:
+            return known[name]
+        q = producer.get(name)
+        if q is None or q.op_type != "QuantizeLinear" or len(q.input) < 3:
+            raise NpuqError(f"{path.name}: {name} between two parts is not written by a QuantizeLinear; export again")
+        scale, zero = (numpy_helper.to_array(inits[x]) for x in q.input[1:3])
+        info = np.iinfo(zero.dtype)
+        enc = IOEncoding(zero.dtype.name, info.bits, int(info.min), int(info.max), float(scale), int(zero))
+        return IOEntry(name, (1, entry.ar_len, cfg.hidden_size), zero.dtype.name, enc)
+
+    entries = []
+    for ref in entry.parts:
+        ins, outs = part_io_names(*ref.layers, cfg.num_layers)
+        entries.append(dataclasses.replace(entry, inputs=tuple(io(n) for n in ins), outputs=tuple(io(n) for n in outs),
+                                           parts=None))
+    return entries
+
+
+def _open_part(path: Path, ref: PartRef, io: GraphEntry, weights: dict):
+    """The CPU session of part ``ref`` of the graph in ``path``: its nodes (named with its
+    prefix), the initializers they read (the part's weights only, from the data file) and the
+    part's I/O, its weights dequantized once (:func:`dequantized_weights`, shared through
+    ``weights`` by the part's decode and prefill graphs)."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+        nodes = [n for n in model.graph.node if n.name.startswith(ref.prefix)]
+        read = {x for n in nodes for x in n.input if x}
+        inits = [t for t in model.graph.initializer if t.name in read]
+        for t in inits:
+            if t.data_location == T.EXTERNAL:
+                load_external_data_for_tensor(t, str(path.parent))
+                t.data_location = T.DEFAULT
+                del t.external_data[:]
+
+        def info(s: IOEntry):
+            return helper.make_tensor_value_info(s.name, helper.np_dtype_to_tensor_dtype(np.dtype(s.dtype)), s.shape)
+
+        graph = helper.make_graph(nodes, f"{model.graph.name}_{ref.prefix.rstrip('/')}",
+                                  [info(s) for s in io.inputs], [info(s) for s in io.outputs], initializer=inits)
+        part = helper.make_model(graph, opset_imports=model.opset_import, ir_version=IR_VERSION)
+        del model, nodes, inits
+        part, fed = dequantized_weights(part, weights)
+        return _WeightsFed(cpu_session(part, threads=torch.get_num_threads()), fed)
+    except Exception as exc:  # noqa: BLE001  (ONNX Runtime raises its own exception types)
+        raise NpuqError(f"{path} ({ref.prefix.rstrip('/')}): ONNX Runtime cannot open it ({exc}); export the artifact "
+                        "again") from None
 
 
 def _open_cpu(path: Path, weights: dict):
