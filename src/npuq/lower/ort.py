@@ -363,23 +363,26 @@ def _open_part(path: Path, ref: PartRef, io: GraphEntry, weights: dict):
     part's I/O, its weights dequantized once (:func:`dequantized_weights`, shared through
     ``weights`` by the part's decode and prefill graphs)."""
     try:
-        model = onnx.load(str(path), load_external_data=False)
-        nodes = [n for n in model.graph.node if n.name.startswith(ref.prefix)]
-        read = {x for n in nodes for x in n.input if x}
-        inits = [t for t in model.graph.initializer if t.name in read]
-        for t in inits:
-            if t.data_location == T.EXTERNAL:
-                load_external_data_for_tensor(t, str(path.parent))
-                t.data_location = T.DEFAULT
-                del t.external_data[:]
-
-        def info(s: IOEntry):
-            return helper.make_tensor_value_info(s.name, helper.np_dtype_to_tensor_dtype(np.dtype(s.dtype)), s.shape)
-
-        graph = helper.make_graph(nodes, f"{model.graph.name}_{ref.prefix.rstrip('/')}",
-                                  [info(s) for s in io.inputs], [info(s) for s in io.outputs], initializer=inits)
-        part = helper.make_model(graph, opset_imports=model.opset_import, ir_version=IR_VERSION)
-        del model, nodes, inits
+        shard = onnx.load(str(path), load_external_data=False)
+        part = onnx.ModelProto()  # filled in place: each weight is read once, into it
+        part.ir_version = IR_VERSION
+        part.opset_import.extend(shard.opset_import)
+        graph = part.graph
+        graph.name = f"{shard.graph.name}_{ref.prefix.rstrip('/')}"
+        graph.node.extend(n for n in shard.graph.node if n.name.startswith(ref.prefix))
+        read = {x for n in graph.node for x in n.input if x}
+        for t in shard.graph.initializer:
+            if t.name in read:
+                tensor = graph.initializer.add()
+                tensor.CopyFrom(t)
+                if tensor.data_location == T.EXTERNAL:
+                    load_external_data_for_tensor(tensor, str(path.parent))
+                    tensor.data_location = T.DEFAULT
+                    del tensor.external_data[:]
+        del shard
+        for side, specs in ((graph.input, io.inputs), (graph.output, io.outputs)):
+            side.extend(helper.make_tensor_value_info(s.name, helper.np_dtype_to_tensor_dtype(np.dtype(s.dtype)),
+                                                      s.shape) for s in specs)
         part, fed = dequantized_weights(part, weights)
         return _WeightsFed(cpu_session(part, threads=torch.get_num_threads()), fed)
     except Exception as exc:  # noqa: BLE001  (ONNX Runtime raises its own exception types)
@@ -409,7 +412,8 @@ def dequantized_weights(model, shared: dict) -> tuple[object, dict[str, np.ndarr
     (fed as arrays where numpy holds their type, so no protobuf carries the codes again), so
     each call computes what it computed before, bit for bit. ``shared`` maps a node's inputs
     (names, attributes and bytes) to its values, so the prefill and decode graphs of one
-    export hold one float copy of the weights."""
+    export hold one float copy of the weights. The weights' codes are moved out of ``model``
+    (it holds none of them afterwards): pass a model you drop."""
     fed_types = {T.FLOAT, T.INT8, T.UINT8, T.INT16, T.UINT16, T.INT32, T.UINT32, T.INT64}  # int4 & co. stay initializers
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
@@ -418,6 +422,11 @@ def dequantized_weights(model, shared: dict) -> tuple[object, dict[str, np.ndarr
                 and all(x in inits for x in n.input if x)]
     arrays = {name: numpy_helper.to_array(inits[name])
               for name in dict.fromkeys(x for n in constant for x in n.input if x) if inits[name].data_type in fed_types}
+    # the codes of weights no other node reads are in ``arrays`` now: freed from ``model`` (the
+    # caller's, about to be dropped), so they are not held twice while the values are computed
+    still_read = {x for n in graph.node if n.op_type != "DequantizeLinear" or n not in constant for x in n.input}
+    for name in arrays.keys() - still_read - outputs:
+        inits[name].ClearField("raw_data")
     values: dict[str, np.ndarray] = {}
     todo: dict[str, tuple] = {}  # output name: key
     for node in constant:
