@@ -319,27 +319,10 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                     g = _lower(artifact, config, kind, 0, target, options, in_names, out_names, f"{cfg.arch}_{kind}", phases)
                     encodings[name] = graph_encodings(g.model)
                     bar.update()
-                else:
-                    builder = ShardBuilder(f"{cfg.arch}_{name}", data)
-                    entries: tuple[dict, dict] = ({}, {})
-                    docs: list[dict] = []
-                    for p in shard_parts:
-                        part = _lower(artifact, config, kind, p, target, options, *part_io_names(*parts[p], L),
-                                      f"{cfg.arch}_{kind}_{p}", phases)
-                        with _timed(phases, "lower"):
-                            part = builder.rename(part, p)
-                            part_entries = graph_encodings(part.model)
-                            for table, found in zip(entries, part_entries):
-                                table.update(found)
-                            if count > 1 or options.genai != "windowed":
-                                docs.append(loadable_encodings(part.model, part_entries))
-                            builder.keep(part)
-                        del part
-                        bar.update()
-                    first, end = layers
-                    shard_in, shard_out = (in_names, out_names) if count == 1 else part_io_names(first, end, L)
-                    g = builder.finish(shard_in, shard_out)
-                    encodings[name] = entries
+                else:  # one graph of the shard's parts
+                    io = (in_names, out_names) if count == 1 else part_io_names(*layers, L)
+                    g, encodings[name], docs = _merge_parts(artifact, config, kind, shard_parts, io, f"{cfg.arch}_{name}",
+                                                            data, target, options, phases, bar)
                 with _timed(phases, "lower"):
                     if options.genai:
                         io_entries = [s.entry() for s in g.inputs + g.outputs]
@@ -472,6 +455,32 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                         compile_seconds=round(phases["compile"], 3) if compiled else None,
                         share_weights=True if compiled and compiled.share_weights else None,
                         genai=options.genai, shards=count if count > 1 else None)
+
+
+def _merge_parts(artifact: Path, config, kind: str, shard_parts: range, io: tuple[list[str], list[str]], name: str,
+                 data: ExternalData | None, target: Target, options: ExportOptions, phases: dict[str, float],
+                 bar: tqdm) -> tuple[LoweredGraph, tuple[dict, dict], list[dict]]:
+    """Program ``kind`` of the artifact's parts ``shard_parts`` as one graph (npuq.lower.shards):
+    (the graph, its AIMET entries, each part's document for AIMET's loader). Each part is
+    lowered, renamed and its weights moved to ``data`` before the next is read."""
+    L = config.cfg.num_layers
+    layers = [p.layers for p in config.parts]
+    builder = ShardBuilder(name, data)
+    entries: tuple[dict, dict] = ({}, {})
+    docs: list[dict] = []
+    for p in shard_parts:
+        part = _lower(artifact, config, kind, p, target, options, *part_io_names(*layers[p], L),
+                      f"{name}_{p}", phases)
+        with _timed(phases, "lower"):
+            part = builder.rename(part, p)
+            found = graph_encodings(part.model)
+            for table, more in zip(entries, found):
+                table.update(more)
+            docs.append(loadable_encodings(part.model, found))
+            builder.keep(part)
+        del part
+        bar.update()
+    return builder.finish(*io), entries, docs
 
 
 def _lower(artifact: Path, config, kind: str, part: int, target: Target, options: ExportOptions,
