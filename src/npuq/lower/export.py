@@ -310,7 +310,8 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
             weight_bytes = sum(weights_path(artifact, config, p).stat().st_size for p in shard_parts)
             data = None
             if config.parts is not None and weight_bytes > PROTOBUF_LIMIT // 2:  # written as each part is lowered
-                check_free_disk(out, weight_bytes, f"the export {out}")
+                contexts = 0 if not options.compile else weight_bytes * (1 if options.share_weights else len(kinds))
+                check_free_disk(out, weight_bytes + contexts + (8 << 20), f"the export {out}")
                 data = ExternalData(tmp / f"weights{tag}.data")
             graphs: dict[str, GraphEntry] = {}
             for i, kind in enumerate(kinds):
@@ -345,13 +346,16 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                 # Before writing: this graph (its serialized size is exact; external data holds the same
                 # bytes), each graph still to come at about its size (decode and prefill share the weights),
                 # --compile's context binaries (each about its graph's weights again, once if shared), the
-                # genai stage graphs and tokenizer (a few MB) and the encodings and manifest.
-                size = len(blob) if blob is not None else (weight_bytes if data is not None else g.model.ByteSize())
-                expected = sizes + [size] * (len(kinds) * (count - k) - i)
-                contexts = 0 if not options.compile else (max(expected) if options.share_weights else sum(expected))
-                extra = ((16 << 20) if options.genai else 0) + (8 << 20)
-                check_free_disk(out, 0 if data is not None and i > 0 else
-                                sum(expected) - sum(sizes) + contexts + extra, f"the export {out}")
+                # genai stage graphs and tokenizer (a few MB) and the encodings and manifest. A shard whose
+                # weights went to its data file was checked for them (and its contexts) before it began.
+                if data is None:
+                    size = len(blob) if blob is not None else g.model.ByteSize()
+                    expected = sizes + [size] * (len(kinds) * (count - k) - i)
+                    contexts = 0 if not options.compile else (max(expected) if options.share_weights else sum(expected))
+                    extra = ((16 << 20) if options.genai else 0) + (8 << 20)
+                    check_free_disk(out, sum(expected) - sum(sizes) + contexts + extra, f"the export {out}")
+                else:
+                    size = weight_bytes if i == 0 else 0
                 sizes.append(size)
                 path = tmp / f"{name}.onnx"
                 with _timed(phases, "write"):
