@@ -362,5 +362,8 @@ def tokens_shape(program: Any) -> tuple[int, ...]:
     the shape of its tokens input (of a later part's hidden states, their first two sizes)."""
     if isinstance(program, PartChain):
         program = program.programs[0]
+    known = getattr(program, "tokens_shape", None)  # a program read on demand says it without being read
+    if isinstance(known, tuple):
+        return known
     first = next(n for n in program.graph.nodes if n.op == "placeholder")
     return tuple(first.meta["val"].shape[:2])
