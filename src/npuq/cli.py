@@ -290,19 +290,20 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.runtime.generate import generate
 
     ctx = _context_of(args)
-    graphs, context = None, args.context
+    graphs, context, prefill_len = None, args.context, args.prefill_len
     if args.artifact or args.onnx:
         # loaded on use (torch): --help stays fast
         from npuq.pipeline.programs import open_programs
 
         programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(ctx.device)
-        graphs, context = programs.graphs, programs.context  # the graphs' shapes fix the context
+        # the graphs' shapes fix the context and the prefill length
+        graphs, context, prefill_len = programs.graphs, programs.context, max(programs.graphs)
         loaded = load_model(programs.model_source)
     else:  # cheap checks before the model loads (the graphs fix their own)
         _check_fits(args.context, prefill_len=args.prefill_len, max_new_tokens=args.max_new_tokens)
         loaded = load_model(args.model)
     result = generate(loaded, args.prompt, max_new_tokens=args.max_new_tokens, context=context,
-                      prefill_len=args.prefill_len, graphs=graphs, ctx=ctx)
+                      prefill_len=prefill_len, graphs=graphs, ctx=ctx)
     print(args.prompt + result.text)
     print(f"[{result.describe()}]", file=sys.stderr)
     out = to_json(result)

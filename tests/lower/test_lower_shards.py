@@ -171,6 +171,13 @@ def test_cli_exports_shards_and_eval_scores_them_as_the_unsharded_export(tmp_pat
                      "--num-threads", "1", "--json", str(tmp_path / f"e{out}.json")]) == 0
         scores.append(json.loads((tmp_path / f"e{out}.json").read_text())["word_perplexity"])
     assert scores[0] == scores[1]
+    # generation chains the shards at every step; the graphs' prefill length applies (4, not the default 32)
+    texts = []
+    for out in ("one", "s2"):
+        assert main(["generate", "--onnx", str(tmp_path / out), "--prompt", "The quick brown", "--max-new-tokens", "4",
+                     "--num-threads", "1", "--json", str(tmp_path / f"g{out}.json")]) == 0
+        texts.append(json.loads((tmp_path / f"g{out}.json").read_text())["token_ids"])
+    assert texts[0] == texts[1] and len(texts[0]) == 4
     if qnn_available() is None:  # the HTP emulator runs each shard's whole graph: the same numbers again
         htp = []
         for out in ("one", "s2"):
