@@ -13,6 +13,9 @@ resident memory (the kernel's maximum RSS) and exit status:
     quantize        npuq quantize --model DIR --scheme 16a8w --calib-tokens 1024
                     --context 512 (--parts auto: in parts, streamed, where the model does not fit
                     whole), the artifact to out/scale/<size>-16a8w
+    export          npuq export --artifact out/scale/<size>-16a8w --soc SM8650 (--shards auto:
+                    shards of at most 3.5 GiB of weights), to out/scale/<size>-onnx
+    eval-onnx       npuq eval --onnx out/scale/<size>-onnx (part by part)
 
     .venv/bin/python bench/scale.py --sizes 3b,7b --json out/bench/scale.json
 
@@ -144,7 +147,7 @@ def main() -> None:
     parser.add_argument("--whole", default=None,
                         help="sizes whose eval-whole run is made (default: every size; a model that fits takes "
                              "its float32 size in memory)")
-    parser.add_argument("--runs", default="info,eval-stream,eval-whole,quantize",
+    parser.add_argument("--runs", default="info,eval-stream,eval-whole,quantize,export,eval-onnx",
                         help="comma-separated runs to make (default: all; see above)")
     parser.add_argument("--parts", default="auto", help="--parts of the quantize run (default auto)")
     parser.add_argument("--json", default="out/bench/scale.json", help="where the result goes")
@@ -173,6 +176,17 @@ def main() -> None:
                 files = [f for f in artifact.rglob("*") if f.is_file()]
                 runs["quantize"]["artifact_gib"] = round(sum(f.stat().st_size for f in files) / 2**30, 2)
                 runs["quantize"]["largest_file_gib"] = round(max(f.stat().st_size for f in files) / 2**30, 2)
+        artifact, exported = Path(args.root) / f"{size}-16a8w", Path(args.root) / f"{size}-onnx"
+        if "export" in chosen:
+            runs["export"] = timed([*npuq, "export", "--artifact", str(artifact), "--soc", "SM8650", "--out",
+                                    str(exported), "--force", "--json", "-"])
+            if runs["export"]["returncode"] == 0:
+                files = [f for f in exported.rglob("*") if f.is_file()]
+                runs["export"]["export_gib"] = round(sum(f.stat().st_size for f in files) / 2**30, 2)
+                runs["export"]["largest_file_gib"] = round(max(f.stat().st_size for f in files) / 2**30, 2)
+        if "eval-onnx" in chosen:
+            runs["eval-onnx"] = timed([*npuq, "eval", "--onnx", str(exported), "--max-tokens", str(args.eval_tokens),
+                                       "--json", "-"])
         per_b = facts["parameters"] / 1e9
         for run in runs.values():
             run["seconds_per_billion_parameters"] = round(run["seconds"] / per_b, 1)

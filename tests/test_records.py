@@ -30,7 +30,7 @@ OTHER = {
                       "parts": 2},
     ExportOptions: {"qnn_version": "2.47", "htp_arch": 75, "soc": "SM8650", "embedding_pattern": "legacy",
                     "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True,
-                    "genai": "shared"},
+                    "genai": "shared", "shards": 2},
     EvalOptions: {"corpus": "wikitext2", "split": "calib", "context": 128, "max_docs": 3, "max_tokens": None,
                   "batch_size": 1},
     RunOptions: {"quantize": QuantizeOptions(context=256), "export": ExportOptions(htp_arch=73), "eval_corpus": "wikitext2",
@@ -138,10 +138,12 @@ def _manifest(model_config) -> Manifest:
                            IOEntry("k_new_0", (1, 2, ar_len, 8), "uint16", per_tensor)),
                           {"matmul": "int16"}, ({"kind": "matmul_second_input", "node": "mm", "bits": [8, 16]},))
 
-    return Manifest(EXPORT_FORMAT, "0.1", ArtifactRef("/a", "npuq-quantized/2", None), model_config, 16,
-                    TokenizerRef("tiny", None), TargetInfo("2.51.0", "--qnn-version", 73, None), 21, "codes", "plain",
-                    {"embed": {"pattern": "plain"}}, LoweringChoices("auto", "u16"),
-                    {"decode": graph("decode", 1), "prefill": graph("prefill", 4)})
+    return Manifest(format=EXPORT_FORMAT, npuq_version="0.1", artifact=ArtifactRef("/a", "npuq-quantized/2", None),
+                    model_config=model_config, context=16, tokenizer=TokenizerRef("tiny", None),
+                    target=TargetInfo("2.51.0", "--qnn-version", 73, None), opset=21, kv_cache="codes",
+                    embedding_pattern="plain", embeddings={"embed": {"pattern": "plain"}},
+                    options=LoweringChoices("auto", "u16"),
+                    graphs={"decode": graph("decode", 1), "prefill": graph("prefill", 4)})
 
 
 def _config(model_config, **changes) -> ArtifactConfig:

@@ -247,6 +247,14 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
                    help="how the optimized pattern stores the table: u16 (re-encoded to the output encoding, "
                         "2 bytes per element) or int8-rowscale (int8 codes + a gathered uint16 row-scale vector) "
                         "(default: u16)")
+    p.add_argument("--shards", type=_parts, default=None, metavar="N|auto",
+                   help="split the decoder into N shards at layer boundaries, each a decode and a prefill graph "
+                        "(decode.part-K-of-N.onnx, ...) that takes the hidden states and its own layers' KV caches "
+                        "and returns them, with its weights in weights.part-K-of-N.data, run one after another as "
+                        "a device runs several context binaries. A shard is one or more whole parts of an artifact "
+                        "quantized with --parts. auto (default): the fewest shards whose weights each stay under "
+                        "3.5 GiB (a QNN HTP context holds at most 4 GB), as even as the parts allow: one piece, "
+                        "decode.onnx and prefill.onnx, for a model that fits one context")
     p.add_argument("--compile", action="store_true",
                    help="also compile each graph to a QNN HTP context binary with onnxruntime-qnn (emulated on x86): "
                         "decode_ctx.onnx + decode_ctx_qnn.bin, prefill_ctx.onnx + prefill_ctx_qnn.bin, for the chip "
@@ -282,19 +290,20 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.runtime.generate import generate
 
     ctx = _context_of(args)
-    graphs, context = None, args.context
+    graphs, context, prefill_len = None, args.context, args.prefill_len
     if args.artifact or args.onnx:
         # loaded on use (torch): --help stays fast
         from npuq.pipeline.programs import open_programs
 
         programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(ctx.device)
-        graphs, context = programs.graphs, programs.context  # the graphs' shapes fix the context
+        # the graphs' shapes fix the context and the prefill length
+        graphs, context, prefill_len = programs.graphs, programs.context, max(programs.graphs)
         loaded = load_model(programs.model_source)
     else:  # cheap checks before the model loads (the graphs fix their own)
         _check_fits(args.context, prefill_len=args.prefill_len, max_new_tokens=args.max_new_tokens)
         loaded = load_model(args.model)
     result = generate(loaded, args.prompt, max_new_tokens=args.max_new_tokens, context=context,
-                      prefill_len=args.prefill_len, graphs=graphs, ctx=ctx)
+                      prefill_len=prefill_len, graphs=graphs, ctx=ctx)
     print(args.prompt + result.text)
     print(f"[{result.describe()}]", file=sys.stderr)
     out = to_json(result)
@@ -355,18 +364,24 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 def _open_graphs(args: argparse.Namespace, ctx: Any, context: int | None = None) -> tuple[Any, Any]:
     """(the --artifact / --onnx graphs on ctx's device, the float model they were made from) with
     the prefill phase's threads planned on that model; a --context beyond the graphs' is refused
-    before the model loads."""
+    before the model loads. Without --kl-divergence, a model too large for memory is opened
+    streamed (no weights read) and the thread counts are not timed."""
     # loaded on use (torch): --help stays fast
-    from npuq.models import load_model
+    from npuq.models import load_model, model_config, model_fits, open_streamed
     from npuq.pipeline.programs import open_programs
 
     programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
     if context is not None and context > programs.context:
         raise NpuqError(f"--context {context} exceeds the {programs.context} tokens the graphs were built "
                         f"for: use --context {programs.context} or less")
-    loaded = load_model(programs.model_source, max_context=max(programs.context, 4096))
+    max_context = max(programs.context, 4096)
+    if getattr(args, "kl_divergence", False) or model_fits(model_config(programs.model_source, max_context)):
+        loaded = load_model(programs.model_source, max_context=max_context)
+        planned_on = loaded.model
+    else:  # too large to hold, and wanted only to time the thread counts: its tokenizer, the counts kept
+        loaded, planned_on = open_streamed(programs.model_source, max_context=max_context), None
     programs.to(ctx.device)
-    ctx.plan_model(loaded.model, ("prefill",), programs.context, max(programs.graphs))
+    ctx.plan_model(planned_on, ("prefill",), programs.context, max(programs.graphs))
     return programs, loaded
 
 
@@ -460,9 +475,12 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
     from npuq.lower.export import export_artifact
 
     result = export_artifact(args.artifact, args.out, _export_options(args), force=args.force)
-    compiled = ", decode_ctx.onnx, prefill_ctx.onnx + .bin" if result.compile_seconds is not None else ""
+    compiled = ", <graph>_ctx.onnx + .bin" if result.compile_seconds is not None else ""
     genai = ", genai_config.json + tokenizer + genai_*.onnx" if result.genai is not None else ""
-    print(f"{args.out}: decode.onnx, prefill.onnx, encodings.json (+ decode. / prefill.encodings.json){compiled}{genai}, "
+    n = result.shards
+    data = f", weights.part-K-of-{n}.data" if any(k.startswith("weights.") for k in result.files) else ""
+    graphs = "decode.onnx, prefill.onnx" if n is None else f"decode.part-K-of-{n}.onnx, prefill.part-K-of-{n}.onnx{data}"
+    print(f"{args.out}: {graphs}, encodings.json (+ per-graph .encodings.json){compiled}{genai}, "
           f"manifest.json for {result.describe()} "
           f"[{result.seconds:.1f} s]")
     return to_json(result)

@@ -98,7 +98,8 @@ def test_a_run_without_a_target_chip_says_so_first(first_run, inputs, capsys):
 
 # An alternative value for every ExportOptions field; the test fails for a field missing here.
 EXPORT_CHANGES = {"qnn_version": "2.47", "htp_arch": "75", "soc": "SM8650", "embedding_pattern": "legacy",
-                  "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True, "genai": "shared"}
+                  "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True, "genai": "shared",
+                  "shards": "1"}  # the run's artifact is one part: one shard, asked for instead of auto
 # flags that need a companion flag (--share-weights applies to --compile only)
 EXPORT_COMPANIONS = {"share_weights": ["--compile"]}
 

@@ -167,7 +167,21 @@ def test_cli_quantizes_in_parts_and_eval_scores_the_artifact(tmp_path, capsys):
                      "--num-threads", "1", "--json", str(tmp_path / f"e{art}.json")]) == 0
         scores.append(json.loads((tmp_path / f"e{art}.json").read_text())["word_perplexity"])
     assert scores[0] == scores[1]
-    capsys.readouterr()
-    assert main(["export", "--artifact", str(tmp_path / "p2"), "--out", str(tmp_path / "onnx"),
-                 "--soc", "SM8650"]) == 2
-    assert "sharded export is not built yet" in capsys.readouterr().err
+
+
+def test_an_artifact_in_parts_runs_part_by_part_with_the_same_logits(tmp_path):
+    """``load_artifact(in_turn=True)`` reads each part's programs when it first runs and drops them
+    when its calls are done (memory: one part); every call sees what it sees chained, so the
+    logits are the chained programs' bit for bit."""
+    _, model = tiny_decoder("gemma3", max_context=CONTEXT)
+    L = model.config.num_layers
+    recipe = load_recipe(None, "16a8w")
+    calibration = _tokens(model.config.vocab_size, (64,), 0).tolist()
+    qm = quantize_model(model, recipe, calibration, context=CONTEXT, prefill_len=4, parts=even_parts(L, L))
+    folder = save_artifact(qm, tmp_path / "art")
+    tokens = _tokens(model.config.vocab_size, (2, 11), 1)  # prefill chunks and decode steps
+    chained = load_artifact(folder, scoring=False, in_turn=False)
+    in_turn = load_artifact(folder, in_turn=True)
+    assert in_turn.scoring is None and all(c.in_turn for c in in_turn.graphs().values())
+    assert torch.equal(in_turn.logits(tokens), chained.logits(tokens))
+    assert all(p.part._programs is None for p in in_turn.decode.programs)  # every part released

@@ -10,6 +10,9 @@
                         for the target's HTP arch (npuq.lower.compile, docs/design.md §11)
     OUT/genai_config.json, tokenizer files, genai_*.onnx   with --genai windowed|shared: the same
                         folder is an onnxruntime-genai model folder too (npuq.lower.genai, §11)
+    OUT/<graph>.part-K-of-N.onnx, OUT/weights.part-K-of-N.data   an artifact quantized in parts
+                        is exported in shards (--shards N|auto, npuq.lower.shards, docs/design.md §13):
+                        each shard's decode and prefill graphs, their weights in one data file
     OUT/manifest.json   I/O names, shapes, dtypes and encodings; context; target (QNN version
                         and where it came from, HTP arch); the pattern chosen per embedding
                         and every other lowering decision; the tokenizer reference
@@ -30,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -39,6 +43,7 @@ from typing import Any, Iterator
 
 import onnx
 from google.protobuf.message import EncodeError
+from tqdm import tqdm
 
 from npuq import __version__
 from npuq.fsio import atomic_dir, file_sha256, folder_lock
@@ -47,13 +52,15 @@ from npuq.lower.aimet import FORMAT_VERSION as AIMET_VERSION
 from npuq.lower.aimet import graph_encodings, loadable_encodings, merge_encodings
 from npuq.lower.compile import check_can_compile, compile_contexts
 from npuq.lower import genai
-from npuq.lower.manifest import (EXPORT_FORMAT, GENAI_CACHES, KV_PREFIXES, ArtifactRef, EncodingsFile, GraphEntry,
-                                 GraphEncodingsFile, LoweringChoices, Manifest, TargetInfo, TokenizerRef)
+from npuq.lower.manifest import (EXPORT_FORMAT, GENAI_CACHES, KV_PREFIXES, SHARDED_FORMAT, ArtifactRef, EncodingsFile,
+                                 GraphEncodingsFile, GraphEntry, LoweringChoices, Manifest, ShardEntry, TargetInfo,
+                                 TokenizerRef, PartRef, shard_tag)
 from npuq.lower.onnx_writer import LoweredGraph, log_notes_once, lower_program, share_model_qdq_params
 from npuq.lower.registry import EMBEDDING_NOTE, LowerOptions
+from npuq.lower.shards import HIDDEN_PREFIX, ExternalData, ShardBuilder, part_io_names, part_prefix, plan_shards
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.models import load_tokenizer
-from npuq.quantize.artifact import load_program, program_path, read_artifact
+from npuq.quantize.artifact import load_program, program_path, read_artifact, weights_path
 from npuq.records import optional_key, to_json
 from npuq.resources import check_free_disk
 
@@ -87,6 +94,12 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
 
 def is_kv(name: str) -> bool:
     return name.startswith(KV_PREFIXES)
+
+
+def is_carried(name: str) -> bool:
+    """I/O a runner carries from one call (or shard) to the next as quantized codes: the KV
+    caches, and the hidden states at a shard's boundary."""
+    return is_kv(name) or name.startswith(HIDDEN_PREFIX)
 
 
 def check_kv_encodings(graphs: dict[str, LoweredGraph]) -> None:
@@ -171,6 +184,9 @@ class ExportOptions:
     share_weights: bool | None = optional_key()
     # --genai windowed|shared: also an onnxruntime-genai folder with that KV-cache contract (None: off)
     genai: str | None = optional_key()
+    # --shards N: the decoder in N shards of whole artifact parts; None (no key): auto, the fewest
+    # whose weights each fit one QNN HTP context (npuq.lower.shards.SHARD_BYTES)
+    shards: int | None = optional_key()
 
     def __post_init__(self) -> None:
         if self.htp_arch is not None and self.soc is not None:
@@ -186,6 +202,9 @@ class ExportOptions:
         if self.genai is not None and self.genai not in GENAI_CACHES:
             raise NpuqError(f"--genai {self.genai!r:.40}: choose windowed (onnxruntime-genai's NPU cache, uint8 KV) "
                             "or shared (its CPU provider's cache)")
+        if self.shards is not None and (not isinstance(self.shards, int) or isinstance(self.shards, bool)
+                                        or self.shards < 1):
+            raise NpuqError(f"--shards {self.shards!r:.40}: give a whole number of at least 1, or auto")
         if self.qnn_version is not None:
             parse_version(self.qnn_version)
         if self.htp_arch is not None:
@@ -214,6 +233,7 @@ class ExportResult:
     compile_seconds: float | None = optional_key()  # with --compile
     share_weights: bool | None = optional_key()  # with --compile --share-weights
     genai: str | None = optional_key()  # with --genai: the cache contract of the onnxruntime-genai folder
+    shards: int | None = optional_key()  # a sharded export: how many shards (None: one piece)
 
     def describe(self) -> str:
         qnn = f"QNN {self.qnn_version} ({self.qnn_version_source})" if self.qnn_version else "QNN version unknown"
@@ -224,6 +244,8 @@ class ExportResult:
             text += f"; QNN contexts compiled in {self.compile_seconds:.1f} s{shared}"
         if self.genai is not None:
             text += f"; onnxruntime-genai folder ({self.genai} KV cache)"
+        if self.shards is not None:
+            text += f"; {self.shards} shards"
         return text
 
 
@@ -250,82 +272,123 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     if options.compile:
         check_can_compile()
     config = read_artifact(artifact)
-    if config.parts is not None:
-        raise NpuqError(f"--artifact {artifact} holds {len(config.parts)} parts (it was quantized with --parts): "
-                        "sharded export is not built yet; 'npuq eval --artifact' scores it, or quantize with --parts 1 "
-                        "to export")
     cfg = config.cfg
-    in_names, out_names = io_names(cfg.num_layers)
+    L = cfg.num_layers
+    parts = [p.layers for p in config.parts] if config.parts is not None else [(0, L)]
+    plan = plan_shards([weights_path(artifact, config, k).stat().st_size for k in range(len(parts))],
+                       "auto" if options.shards is None else options.shards)
+    count = len(plan)
+    if count > 1 and options.genai:
+        raise NpuqError(f"--genai: the export has {count} shards, and npuq writes onnxruntime-genai folders of one "
+                        "shard only; export with --shards 1 (a model whose weights fit one context), or without --genai")
+    in_names, out_names = io_names(L)
     tokenizer = None
     if options.genai:  # refused before any lowering: a window the runtime cannot run, no tokenizer
         genai.check_window(config.context, config.programs["prefill"].ar_len if "prefill" in config.programs else 1)
         tokenizer = _tokenizer(config)
 
     phases = dict.fromkeys(PHASES, 0.0)
+    kinds = ("decode", "prefill")
     lowered: dict[str, LoweredGraph] = {}  # each graph's I/O and notes, its proto dropped once written
     encodings: dict[str, tuple[dict, dict]] = {}  # AIMET entries of each graph, read before the proto goes
     loadable: dict[str, dict] = {}  # each graph's document for AIMET's loader (docs/design.md §11)
     sizes: list[int] = []
     files: dict[str, str] = {}
-    graphs: dict[str, GraphEntry] = {}
+    shard_graphs: list[dict[str, GraphEntry]] = []
     compiled = None
     # Each graph is written as soon as it is lowered, so only one graph's proto (as big as the
     # weights) is ever in memory, not both until the end: Qwen2.5-Coder-1.5B's export peaked at
-    # 10.0 GB instead of 12.9 GB (/usr/bin/time -v), with byte-identical graphs.
-    with atomic_dir(out) as tmp:
-        kinds = ("decode", "prefill")
-        for i, kind in enumerate(kinds):
-            with _timed(phases, "load"):
-                program = load_program(program_path(artifact, config, kind))
-            with _timed(phases, "lower"):
-                g = lower_program(program, target, options.lower_options(), in_names, out_names, is_kv,
-                                  graph_name=f"{cfg.arch}_{kind}", log_warnings=False)
-                del program
-                encodings[kind] = graph_encodings(g.model)
-                if options.genai:
-                    entries = [s.entry() for s in g.inputs + g.outputs]
-                    genai.check_io(cfg, kind, entries, options.genai)
-                    if options.genai == "windowed":  # the runtime's cache layout (batch 1: the same bytes)
-                        genai.heads_first(g.model, entries)
-                        g.inputs, g.outputs = genai.heads_first_specs(g.inputs), genai.heads_first_specs(g.outputs)
-                        share_model_qdq_params(g.model)  # the Q/DQ pairs of the new edges, as AIMET pairs them
-                # AIMET's names are those of the file as written (heads-first edges included)
-                loadable[kind] = loadable_encodings(g.model, None if options.genai == "windowed" else encodings[kind])
-            with _timed(phases, "serialize"):
-                blob = _serialize(g.model)  # None: too big for one protobuf file, saved with external data
-            # Before writing: this graph (its serialized size is exact; external data holds the same
-            # bytes), each graph still to come at about its size (decode and prefill share the weights),
-            # --compile's context binaries (each about its graph's weights again, once if shared), the
-            # genai stage graphs and tokenizer (a few MB) and the encodings and manifest.
-            size = len(blob) if blob is not None else g.model.ByteSize()
-            expected = sizes + [size] * (len(kinds) - i)
-            contexts = 0 if not options.compile else (max(expected) if options.share_weights else sum(expected))
-            extra = ((16 << 20) if options.genai else 0) + (8 << 20)
-            check_free_disk(out, sum(expected) - sum(sizes) + contexts + extra, f"the export {out}")
-            sizes.append(size)
-            path = tmp / f"{kind}.onnx"
-            with _timed(phases, "write"):
-                if blob is not None:
-                    written, digest = [path.name], _write(blob, path)
-                    del blob
+    # 10.0 GB instead of 12.9 GB (/usr/bin/time -v), with byte-identical graphs. A graph of
+    # several parts holds one part's weights at a time (npuq.lower.shards).
+    bar = tqdm(total=len(kinds) * len(parts), desc=f"exporting ({count} shard{'s' * (count > 1)})",
+               unit="graph" if config.parts is None else "part", file=sys.stderr, leave=False)
+    with bar, atomic_dir(out) as tmp:
+        for k, (first_part, end_part) in enumerate(plan):
+            tag = shard_tag(k, count)
+            layers = (parts[first_part][0], parts[end_part - 1][1])
+            shard_parts = range(first_part, end_part)
+            weight_bytes = sum(weights_path(artifact, config, p).stat().st_size for p in shard_parts)
+            data = None
+            if config.parts is not None and weight_bytes > PROTOBUF_LIMIT // 2:  # written as each part is lowered
+                contexts = 0 if not options.compile else weight_bytes * (1 if options.share_weights else len(kinds))
+                check_free_disk(out, weight_bytes + contexts + (8 << 20), f"the export {out}")
+                data = ExternalData(tmp / f"weights{tag}.data")
+            graphs: dict[str, GraphEntry] = {}
+            for i, kind in enumerate(kinds):
+                name = f"{kind}{tag}"
+                if config.parts is None:  # the artifact's one program, as a whole
+                    g = _lower(artifact, config, kind, 0, target, options, in_names, out_names, f"{cfg.arch}_{kind}", phases)
+                    encodings[name] = graph_encodings(g.model)
+                    bar.update()
+                else:  # one graph of the shard's parts
+                    io = (in_names, out_names) if count == 1 else part_io_names(*layers, L)
+                    g, encodings[name], docs = _merge_parts(artifact, config, kind, shard_parts, io, f"{cfg.arch}_{name}",
+                                                            data, target, options, phases, bar)
+                with _timed(phases, "lower"):
+                    if options.genai:
+                        io_entries = [s.entry() for s in g.inputs + g.outputs]
+                        genai.check_io(cfg, kind, io_entries, options.genai)
+                        if options.genai == "windowed":  # the runtime's cache layout (batch 1: the same bytes)
+                            genai.heads_first(g.model, io_entries)
+                            g.inputs, g.outputs = genai.heads_first_specs(g.inputs), genai.heads_first_specs(g.outputs)
+                            share_model_qdq_params(g.model)  # the Q/DQ pairs of the new edges, as AIMET pairs them
+                    # AIMET's names are those of the file as written (heads-first edges included); a graph of
+                    # several parts: each part's document as its own graph names them, joined
+                    if config.parts is None or options.genai == "windowed":
+                        loadable[name] = loadable_encodings(g.model, None if options.genai == "windowed" else encodings[name])
+                    else:
+                        loadable[name] = {"version": AIMET_VERSION,
+                                          "activation_encodings": [e for d in docs for e in d["activation_encodings"]],
+                                          "param_encodings": [e for d in docs for e in d["param_encodings"]]}
+                with _timed(phases, "serialize"):
+                    # None: too big for one protobuf file (saved with external data), or its weights already are
+                    blob = _serialize(g.model) if data is None else None
+                # Before writing: this graph (its serialized size is exact; external data holds the same
+                # bytes), each graph still to come at about its size (decode and prefill share the weights),
+                # --compile's context binaries (each about its graph's weights again, once if shared), the
+                # genai stage graphs and tokenizer (a few MB) and the encodings and manifest. A shard whose
+                # weights went to its data file was checked for them (and its contexts) before it began.
+                if data is None:
+                    size = len(blob) if blob is not None else g.model.ByteSize()
+                    expected = sizes + [size] * (len(kinds) * (count - k) - i)
+                    contexts = 0 if not options.compile else (max(expected) if options.share_weights else sum(expected))
+                    extra = ((16 << 20) if options.genai else 0) + (8 << 20)
+                    check_free_disk(out, sum(expected) - sum(sizes) + contexts + extra, f"the export {out}")
                 else:
-                    written = _save_external(g.model, path)
-                    digest = file_sha256(tmp / written[0])
-            lowered[kind] = dataclasses.replace(g, model=onnx.ModelProto())
-            del g
-            files[kind] = str(out / written[0])
-            graphs[kind] = GraphEntry(
-                file=written[0],
-                external_data=written[1] if len(written) > 1 else None,
-                sha256=digest,
-                ar_len=config.programs[kind].ar_len,
-                inputs=tuple(s.entry() for s in lowered[kind].inputs),
-                outputs=tuple(s.entry() for s in lowered[kind].outputs),
-                builders=lowered[kind].builders,
-                notes=tuple({"kind": n.kind, "node": n.node, **n.detail} for n in lowered[kind].notes
-                            if n.kind != EMBEDDING_NOTE),
-                kv_heads_first=True if options.genai == "windowed" else None,
-            )
+                    size = weight_bytes if i == 0 else 0
+                sizes.append(size)
+                path = tmp / f"{name}.onnx"
+                with _timed(phases, "write"):
+                    if blob is not None:
+                        written, digest = [path.name], _write(blob, path)
+                        del blob
+                    elif data is not None:  # the weights are in the data file already
+                        onnx.save(g.model, path)
+                        written, digest = [path.name, data.path.name], file_sha256(path)
+                    else:
+                        written = _save_external(g.model, path)
+                        digest = file_sha256(tmp / written[0])
+                lowered[name] = dataclasses.replace(g, model=onnx.ModelProto())
+                del g
+                files[name] = str(out / written[0])
+                graphs[kind] = GraphEntry(
+                    file=written[0],
+                    external_data=written[1] if len(written) > 1 else None,
+                    sha256=digest,
+                    ar_len=config.programs[kind].ar_len,
+                    inputs=tuple(s.entry() for s in lowered[name].inputs),
+                    outputs=tuple(s.entry() for s in lowered[name].outputs),
+                    builders=lowered[name].builders,
+                    notes=tuple({"kind": n.kind, "node": n.node, **n.detail} for n in lowered[name].notes
+                                if n.kind != EMBEDDING_NOTE),
+                    kv_heads_first=True if options.genai == "windowed" else None,
+                    parts=None if config.parts is None else tuple(
+                        PartRef(part_prefix(p), parts[p]) for p in shard_parts),
+                )
+            if data is not None:
+                data.close()
+                files[f"weights{tag}"] = str(out / data.path.name)
+            shard_graphs.append(graphs)
         check_kv_encodings(lowered)
         aimet = merge_encodings(encodings)  # decode and prefill must agree on every tensor they share
         aimet_text = json.dumps(aimet, separators=(",", ":")) + "\n"
@@ -335,29 +398,30 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
         (tmp / ENCODINGS_FILE).write_text(aimet_text, encoding="utf-8")
         files["encodings"] = str(out / ENCODINGS_FILE)
         per_graph: dict[str, GraphEncodingsFile] = {}
-        for kind, doc in loadable.items():
-            name = GRAPH_ENCODINGS_FILE.format(kind=kind)
-            (tmp / name).write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
-            files[f"{kind}_encodings"] = str(out / name)
-            per_graph[kind] = GraphEncodingsFile(name, file_sha256(tmp / name), len(doc["activation_encodings"]),
+        for name, doc in loadable.items():
+            file = GRAPH_ENCODINGS_FILE.format(kind=name)
+            (tmp / file).write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
+            files[f"{name}_encodings"] = str(out / file)
+            per_graph[name] = GraphEncodingsFile(file, file_sha256(tmp / file), len(doc["activation_encodings"]),
                                                  len(doc["param_encodings"]))
+        all_graphs = {f"{kind}{shard_tag(k, count)}": e for k, g in enumerate(shard_graphs) for kind, e in g.items()}
         if options.compile:
             with _timed(phases, "compile"):
-                compiled = compile_contexts(tmp, {k: e.file for k, e in graphs.items()}, target.htp_arch, target.soc,
-                                            bool(options.share_weights))
-            for kind, c in compiled.graphs.items():
-                files[f"{kind}_ctx"], files[f"{kind}_ctx_bin"] = str(out / c.file), str(out / c.binary)
+                compiled = compile_contexts(tmp, {k: e.file for k, e in all_graphs.items()}, target.htp_arch,
+                                            target.soc, bool(options.share_weights))
+            for name, c in compiled.graphs.items():
+                files[f"{name}_ctx"], files[f"{name}_ctx_bin"] = str(out / c.file), str(out / c.binary)
         genai_record = None
         if options.genai:
             contexts = None  # what a windowed (NPU) folder runs; weight-shared contexts: device only, not wired
             if compiled is not None and not compiled.share_weights and options.genai == "windowed":
                 contexts = {kind: c.file for kind, c in compiled.graphs.items()}
-            genai_record = genai.write_folder(tmp, cfg, config.context, options.genai, graphs, tokenizer, contexts,
+            genai_record = genai.write_folder(tmp, cfg, config.context, options.genai, all_graphs, tokenizer, contexts,
                                               target.htp_arch)
             files["genai_config"] = str(out / genai_record.config)
         model_info = config.model
         manifest = Manifest(
-            format=EXPORT_FORMAT,
+            format=EXPORT_FORMAT if count == 1 else SHARDED_FORMAT,
             npuq_version=__version__,
             artifact=ArtifactRef(str(Path(artifact).resolve()), config.format, config.versions.get("npuq")),
             model_config=config.model_config,
@@ -371,15 +435,19 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
             ),
             opset=21,
             kv_cache=("quantized codes: copy k_new_i / v_new_i outputs into k_cache_i / v_cache_i as they are; "
-                      "fill slots no token has written with each cache input's zero point (the code of 0.0)"),
+                      "fill slots no token has written with each cache input's zero point (the code of 0.0)"
+                      + ("" if count == 1 else "; each shard takes its own layers' caches, and the hidden_<L> "
+                         "codes one shard returns as the next one's input")),
             embedding_pattern=pattern,
             embeddings=per_node,
             options=LoweringChoices(options.embedding_pattern, options.embedding_storage),
-            graphs=graphs,
+            graphs=shard_graphs[0] if count == 1 else None,
             encodings=EncodingsFile(ENCODINGS_FILE, f"aimet-{AIMET_VERSION}", file_sha256(tmp / ENCODINGS_FILE),
                                     len(aimet["activation_encodings"]), len(aimet["param_encodings"]), per_graph),
             compiled=compiled,
             genai=genai_record,
+            shards=None if count == 1 else tuple(
+                ShardEntry((parts[a][0], parts[b - 1][1]), g) for (a, b), g in zip(plan, shard_graphs)),
         )
         (tmp / "manifest.json").write_text(json.dumps(to_json(manifest), indent=2) + "\n", encoding="utf-8")
         files["manifest"] = str(out / "manifest.json")
@@ -390,7 +458,44 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
                         pattern, files, time.perf_counter() - start,
                         compile_seconds=round(phases["compile"], 3) if compiled else None,
                         share_weights=True if compiled and compiled.share_weights else None,
-                        genai=options.genai)
+                        genai=options.genai, shards=count if count > 1 else None)
+
+
+def _merge_parts(artifact: Path, config, kind: str, shard_parts: range, io: tuple[list[str], list[str]], name: str,
+                 data: ExternalData | None, target: Target, options: ExportOptions, phases: dict[str, float],
+                 bar: tqdm) -> tuple[LoweredGraph, tuple[dict, dict], list[dict]]:
+    """Program ``kind`` of the artifact's parts ``shard_parts`` as one graph (npuq.lower.shards):
+    (the graph, its AIMET entries, each part's document for AIMET's loader). Each part is
+    lowered, renamed and its weights moved to ``data`` before the next is read."""
+    L = config.cfg.num_layers
+    layers = [p.layers for p in config.parts]
+    builder = ShardBuilder(name, data)
+    entries: tuple[dict, dict] = ({}, {})
+    docs: list[dict] = []
+    for p in shard_parts:
+        part = _lower(artifact, config, kind, p, target, options, *part_io_names(*layers[p], L),
+                      f"{name}_{p}", phases)
+        with _timed(phases, "lower"):
+            part = builder.rename(part, p)
+            found = graph_encodings(part.model)
+            for table, more in zip(entries, found):
+                table.update(more)
+            docs.append(loadable_encodings(part.model, found))
+            builder.keep(part)
+        del part
+        bar.update()
+    return builder.finish(*io), entries, docs
+
+
+def _lower(artifact: Path, config, kind: str, part: int, target: Target, options: ExportOptions,
+           in_names: list[str], out_names: list[str], graph_name: str, phases: dict[str, float]) -> LoweredGraph:
+    """Program ``kind`` of part ``part`` of the artifact, lowered (its caches and the hidden
+    states at a part's ends carried as quantized codes)."""
+    with _timed(phases, "load"):
+        program = load_program(program_path(artifact, config, kind, part))
+    with _timed(phases, "lower"):
+        return lower_program(program, target, options.lower_options(), in_names, out_names, is_carried,
+                             graph_name=graph_name, log_warnings=False)
 
 
 def _tokenizer(config) -> Any:

@@ -26,6 +26,7 @@ KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")  # the KV-cache input
 GENAI_CACHES = ("windowed", "shared")  # the KV-cache contracts of an onnxruntime-genai folder (npuq.lower.genai)
 
 EXPORT_FORMAT = "npuq-export/1"
+SHARDED_FORMAT = "npuq-export/2"  # an export in shards: ``shards`` lists them, ``graphs`` is absent
 IO_DTYPES = ("float32", "float16", "int64", "int32", "int16", "uint16", "int8", "uint8", "bool")
 
 
@@ -76,6 +77,16 @@ class IOEntry:
 
 
 @dataclass(frozen=True)
+class PartRef:
+    """One part of the artifact inside a graph exported from an artifact quantized in parts: its
+    layers, and the prefix its nodes' and tensors' names carry (``partK/``). The graph can be run
+    part by part (:func:`npuq.lower.ort.load_export`), cut at the ``hidden_<L>`` codes between them."""
+
+    prefix: str
+    layers: tuple[int, int]  # first, end
+
+
+@dataclass(frozen=True)
 class GraphEntry:
     """One graph of the export: its file (inside the folder), how many tokens a call takes, and
     its inputs and outputs in call order."""
@@ -91,11 +102,36 @@ class GraphEntry:
     # --genai windowed: the KV-cache I/O is declared [KV, 1, ...] (onnxruntime-genai's NPU layout)
     # instead of [1, KV, ...]; a runner swaps the first two axes (batch 1: the same bytes)
     kv_heads_first: bool | None = optional_key()
+    # the artifact's parts in this graph, in order (exported from an artifact in parts); None: one program
+    parts: tuple[PartRef, ...] | None = optional_key()
 
     def __post_init__(self) -> None:
         for side in ("inputs", "outputs"):
             if not getattr(self, side):
                 raise NpuqError(f"{side} missing or empty")
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard of a sharded export: layers first … end - 1 (the first shard holds the
+    embedding, the last the final norm and head) and its decode and prefill graphs. A shard
+    takes and returns the hidden states at its boundaries (``hidden_<L>``: what enters layer L,
+    as quantized codes) and its own layers' caches."""
+
+    layers: tuple[int, int]  # first, end
+    graphs: dict[str, GraphEntry]  # decode, prefill
+
+    def __post_init__(self) -> None:
+        first, end = self.layers
+        if not 0 <= first < end:
+            raise NpuqError(f"shard layers {list(self.layers)} are not first < end")
+        if not self.graphs:
+            raise NpuqError("a shard lists no graphs")
+
+
+def shard_tag(k: int, count: int) -> str:
+    """What the files of shard ``k`` (from 0) of ``count`` carry in their names (nothing for one)."""
+    return "" if count == 1 else f".part-{k + 1}-of-{count}"
 
 
 @dataclass(frozen=True)
@@ -211,9 +247,11 @@ class GenaiFolder:
             raise NpuqError("the genai record lists no config or no stages")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """manifest.json: everything a runner needs besides the graph files."""
+    """manifest.json: everything a runner needs besides the graph files. An export in one
+    piece lists its graphs in ``graphs``; a sharded one (format :data:`SHARDED_FORMAT`) lists its
+    shards in order in ``shards``, each with its graphs (:meth:`graph_entries` lists either)."""
 
     format: str
     npuq_version: str
@@ -227,28 +265,46 @@ class Manifest:
     embedding_pattern: str  # the pattern chosen (plain, legacy, optimized, or several joined by commas)
     embeddings: dict[str, dict[str, Any]]  # per embedding node: the pattern and why
     options: LoweringChoices
-    graphs: dict[str, GraphEntry]  # decode, prefill
+    graphs: dict[str, GraphEntry] | None = optional_key()  # decode, prefill; None (no key): sharded
     encodings: EncodingsFile | None = optional_key()  # absent in exports of npuq before it
     compiled: CompiledContexts | None = optional_key()  # with --compile only
     genai: GenaiFolder | None = optional_key()  # with --genai only
+    shards: tuple[ShardEntry, ...] | None = optional_key()  # a sharded export's shards, in order
 
     def __post_init__(self) -> None:
-        if self.format != EXPORT_FORMAT:
-            raise NpuqError(f"manifest format {self.format!r:.60} is not {EXPORT_FORMAT!r}")
-        ModelConfig.from_dict(self.model_config)  # a wrong key, type or value is an NpuqError
+        expected = EXPORT_FORMAT if self.shards is None else SHARDED_FORMAT
+        if self.format != expected:
+            raise NpuqError(f"manifest format {self.format!r:.60} is not {expected!r}")
+        cfg = ModelConfig.from_dict(self.model_config)  # a wrong key, type or value is an NpuqError
         if self.context < 2:
             raise NpuqError(f"context {self.context} is not a whole number of at least 2")
-        if not self.graphs:
-            raise NpuqError("'graphs' is missing or empty")
-        seen: set[int] = set()
-        for kind, entry in self.graphs.items():
-            if not 1 <= entry.ar_len <= self.context or entry.ar_len in seen:
-                raise NpuqError(f"graph {kind!s:.40}: ar_len {entry.ar_len} is not a distinct whole number from 1 to "
-                                f"{self.context}")
-            seen.add(entry.ar_len)
-        if self.compiled is not None and set(self.compiled.graphs) != set(self.graphs):
+        if (self.graphs is None) == (self.shards is None) or not (self.graphs or self.shards):
+            raise NpuqError("give 'graphs' (an export in one piece) or 'shards' (a sharded one), not both or neither")
+        if self.shards is not None:
+            ends = [0] + [s.layers[1] for s in self.shards]
+            if [s.layers[0] for s in self.shards] != ends[:-1] or ends[-1] != cfg.num_layers:
+                raise NpuqError(f"the shards' layers {[list(s.layers) for s in self.shards]} do not cover layers 0 to "
+                                f"{cfg.num_layers} in order")
+            if len({tuple(s.graphs) for s in self.shards}) != 1:
+                raise NpuqError("the shards do not all have the same graphs")
+        for graphs in [self.graphs] if self.shards is None else [s.graphs for s in self.shards]:
+            seen: set[int] = set()
+            for kind, entry in graphs.items():
+                if not 1 <= entry.ar_len <= self.context or entry.ar_len in seen:
+                    raise NpuqError(f"graph {kind!s:.40}: ar_len {entry.ar_len} is not a distinct whole number from 1 "
+                                    f"to {self.context}")
+                seen.add(entry.ar_len)
+        if self.compiled is not None and set(self.compiled.graphs) != set(self.graph_entries()):
             raise NpuqError(f"compiled contexts of {sorted(self.compiled.graphs)} do not match the graphs "
-                            f"{sorted(self.graphs)}")
+                            f"{sorted(self.graph_entries())}")
+
+    def graph_entries(self) -> dict[str, GraphEntry]:
+        """Every graph of the export by name: ``decode`` and ``prefill``, or in a sharded export
+        ``decode.part-K-of-N`` and ``prefill.part-K-of-N`` of each shard in order."""
+        if self.shards is None:
+            return dict(self.graphs or {})
+        n = len(self.shards)
+        return {f"{kind}{shard_tag(k, n)}": entry for k, s in enumerate(self.shards) for kind, entry in s.graphs.items()}
 
     @property
     def cfg(self) -> ModelConfig:
@@ -266,14 +322,15 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     if not (folder / "manifest.json").is_file():
         raise NpuqError(f"{where}: no manifest.json; is this an `npuq export` folder?")
     data = read_json(folder / "manifest.json", where, again)
-    if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:  # before its keys: another format's differ
+    if not isinstance(data, dict) or data.get("format") not in (EXPORT_FORMAT, SHARDED_FORMAT):  # before its keys
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise NpuqError(f"{where}: manifest format {found!r:.60} is not {EXPORT_FORMAT!r}; {again} with this npuq")
+        raise NpuqError(f"{where}: manifest format {found!r:.60} is not {EXPORT_FORMAT!r} or {SHARDED_FORMAT!r}; "
+                        f"{again} with this npuq")
     try:
         manifest = from_json(Manifest, data, f"{where}: manifest.json")
     except NpuqError as exc:
         raise NpuqError(f"{exc}; {again}") from None
-    for kind, entry in manifest.graphs.items():
+    for kind, entry in manifest.graph_entries().items():
         at = f"{where}, graph {kind!s:.40}"
         if not resolve_inside(folder, entry.file, at).is_file():
             raise NpuqError(f"{at}: {entry.file} is missing; {again}")

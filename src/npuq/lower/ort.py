@@ -18,6 +18,7 @@ backend (in CPU emulation on x86-64 hosts, on the NPU on a device).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -26,16 +27,20 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto as T, helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_tensor
 
 from npuq.fsio import resolve_inside
 from npuq.errors import NpuqError
-from npuq.lower.manifest import GraphEntry, IOEncoding, Manifest, read_manifest
+from npuq.lower.manifest import GraphEntry, IOEncoding, IOEntry, Manifest, PartRef, read_manifest, shard_tag
+from npuq.lower.onnx_writer import IR_VERSION
+from npuq.lower.shards import HIDDEN_PREFIX, part_io_names
+from npuq.runtime.runner import PartChain
 
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 PROVIDERS = ("cpu", "htp")
@@ -188,7 +193,8 @@ class OrtGraph:
 
     ``io`` is the graph's entry of manifest.json (inputs/outputs with names, shapes, dtypes
     and encodings: :class:`npuq.lower.manifest.GraphEntry`). KV-cache inputs holding quantized codes are passed as codes in any
-    tensor dtype (a float32 buffer holds uint16 codes exactly) and come back as int32 codes;
+    tensor dtype (a float32 buffer holds uint16 codes exactly) and come back as int32 codes, as
+    do the hidden states a shard of a sharded export takes and returns (``hidden_<L>``);
     float inputs that the graph takes quantized are quantized here, and quantized outputs
     other than the caches (e.g. logits) are dequantized. A graph whose cache I/O is declared
     heads first, [KV, B, ...] (``kv_heads_first``: ``npuq export --genai windowed``), gets and
@@ -198,9 +204,11 @@ class OrtGraph:
     holds its weights in memory.
     """
 
-    def __init__(self, session, io: GraphEntry, cache_prefixes: Sequence[str] = ("k_cache", "v_cache", "k_new", "v_new"),
-                 file: str | None = None):
+    def __init__(self, session, io: GraphEntry,
+                 cache_prefixes: Sequence[str] = ("k_cache", "v_cache", "k_new", "v_new", HIDDEN_PREFIX),
+                 file: str | None = None, on_release=None):
         self._session, self._open = (session, None) if hasattr(session, "run") else (None, session)
+        self._on_release = on_release
         self.file = file or io.file  # the file the session runs: the QDQ graph or its compiled context
         self.inputs = io.inputs
         self.outputs = io.outputs
@@ -209,13 +217,21 @@ class OrtGraph:
         # What an empty cache slot holds (npuq.runtime.runner.Graph): each cache input's zero
         # point, the code of 0.0; 0.0 for a float cache.
         self.empty_cache = tuple(float(s.encoding.zero_point) if s.encoding is not None else 0.0
-                                 for s in self.inputs if s.name in self._codes)
+                                 for s in self.inputs if s.name in self._codes and not s.name.startswith(HIDDEN_PREFIX))
 
     @property
     def session(self):
         if self._session is None:
             self._session = self._open()
         return self._session
+
+    def release(self) -> None:
+        """Close a session this graph opened itself (it opens again on the next call), freeing
+        its weights: :func:`npuq.runtime.runner.run_in_turn` runs a sharded export one shard at a time."""
+        if self._open is not None:
+            self._session = None
+            if self._on_release is not None:
+                self._on_release()
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         if len(args) != len(self.inputs):
@@ -259,30 +275,119 @@ def context_use(manifest: Manifest, provider: str, htp_arch: int | None = None) 
     return True, f"QNN contexts compiled for HTP v{compiled.htp_arch}"
 
 
-def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[Manifest, dict[int, OrtGraph]]:
+def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int | None = None) -> tuple[Manifest, dict[int, OrtGraph | PartChain]]:
     """(manifest, {ar_len: graph}) for a folder written by ``npuq export``; the manifest is
     checked first (:func:`npuq.lower.manifest.read_manifest`: graph files must lie inside
     ``folder``), and a graph ONNX Runtime cannot open is an :class:`NpuqError`. On ``htp`` the
     compiled contexts run when :func:`context_use` says so (their outputs are the QDQ graph's,
-    bit for bit, and they load in a fraction of the time)."""
+    bit for bit, and they load in a fraction of the time). A sharded export's graphs of one
+    ar_len run as one (:class:`npuq.runtime.runner.PartChain`: each shard gets the hidden states
+    the one before it returned, and its own layers' caches); each shard's session opens on its
+    first call."""
     folder = Path(folder)
     if provider not in PROVIDERS:
         raise NpuqError(f"unknown provider {provider!r}; choose {', '.join(PROVIDERS)}")
     manifest = read_manifest(folder)
     arch = htp_arch if htp_arch is not None else manifest.target.htp_arch
     contexts, _ = context_use(manifest, provider, htp_arch)
-    graphs = {}
-    shared: dict = {}  # the weights both CPU graphs feed (dequantized_weights)
-    for kind, entry in manifest.graphs.items():
+    shared: dict = {}  # the weights a shard's CPU graphs both feed (dequantized_weights)
+
+    def graph(name: str, entry: GraphEntry) -> OrtGraph:
         if contexts:
-            file = manifest.compiled.graphs[kind].file
+            file = manifest.compiled.graphs[name].file
             path = resolve_inside(folder, file, f"--onnx {folder}")
-            graphs[entry.ar_len] = OrtGraph(htp_session(path, manifest.compiled.htp_arch), entry, file=file)
-            continue
+            return OrtGraph(htp_session(path, manifest.compiled.htp_arch), entry, file=file)
         path = resolve_inside(folder, entry.file, f"--onnx {folder}")
         session = functools.partial(_open_cpu, path, shared) if provider == "cpu" else htp_session(path, arch)
-        graphs[entry.ar_len] = OrtGraph(session, entry)
-    return manifest, graphs
+        return OrtGraph(session, entry)
+
+    # A graph exported from an artifact in parts runs part by part on the CPU when it scores
+    # (PartChain.in_turn): each part's nodes are cut out of its graph and opened alone, its
+    # weights dequantized once, and closed before the next part opens, so the peak is one part.
+    by_part = provider == "cpu" and not contexts and all(e.parts for e in manifest.graph_entries().values())
+    chains: dict[int, list[tuple[tuple[int, int], Any]]] = {}
+    shards = manifest.shards or (None,)
+    shared: dict[str, dict] = {}  # per part: the weights its decode and prefill graphs both feed
+    for k, shard in enumerate(shards):
+        graphs = manifest.graphs if shard is None else shard.graphs
+        for kind, entry in graphs.items():
+            name = f"{kind}{shard_tag(k, len(shards))}" if shard is not None else kind
+            steps = chains.setdefault(entry.ar_len, [])
+            if not by_part:
+                steps.append((shard.layers if shard is not None else (0, manifest.cfg.num_layers), graph(name, entry)))
+                continue
+            path = resolve_inside(folder, entry.file, f"--onnx {folder}")
+            for ref, io in zip(entry.parts, _part_entries(path, entry, manifest.cfg)):
+                weights = shared.setdefault(ref.prefix, {})
+                steps.append((ref.layers, OrtGraph(functools.partial(_open_part, path, ref, io, weights), io,
+                                                   on_release=weights.clear)))
+    if manifest.shards is None and not by_part:
+        return manifest, {ar: steps[0][1] for ar, steps in chains.items()}
+    return manifest, {ar: PartChain([layers for layers, _ in steps], [g for _, g in steps], in_turn=True)
+                      for ar, steps in chains.items()}
+
+
+def _part_entries(path: Path, entry: GraphEntry, cfg: Any) -> list[GraphEntry]:
+    """Each part of ``entry`` (a graph exported from an artifact in parts) as a graph of its own:
+    the graph's I/O where the part's I/O is the graph's, and the ``hidden_<L>`` codes between
+    two parts inside it, in the encoding of the QuantizeLinear that writes them. Reads the
+    graph's nodes and small initializers, not its weights."""
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    known = {s.name: s for s in entry.inputs + entry.outputs}
+
+    def io(name: str) -> IOEntry:
+        if name in known:
+            return known[name]
+        q = producer.get(name)
+        if q is None or q.op_type != "QuantizeLinear" or len(q.input) < 3:
+            raise NpuqError(f"{path.name}: {name} between two parts is not written by a QuantizeLinear; export again")
+        scale, zero = (numpy_helper.to_array(inits[x]) for x in q.input[1:3])
+        info = np.iinfo(zero.dtype)
+        enc = IOEncoding(zero.dtype.name, info.bits, int(info.min), int(info.max), float(scale), int(zero))
+        return IOEntry(name, (1, entry.ar_len, cfg.hidden_size), zero.dtype.name, enc)
+
+    entries = []
+    for ref in entry.parts:
+        ins, outs = part_io_names(*ref.layers, cfg.num_layers)
+        entries.append(dataclasses.replace(entry, inputs=tuple(io(n) for n in ins), outputs=tuple(io(n) for n in outs),
+                                           parts=None))
+    return entries
+
+
+def _open_part(path: Path, ref: PartRef, io: GraphEntry, weights: dict):
+    """The CPU session of part ``ref`` of the graph in ``path``: its nodes (named with its
+    prefix), the initializers they read (the part's weights only, from the data file) and the
+    part's I/O, its weights dequantized once (:func:`dequantized_weights`, shared through
+    ``weights`` by the part's decode and prefill graphs)."""
+    try:
+        shard = onnx.load(str(path), load_external_data=False)
+        part = onnx.ModelProto()  # filled in place: each weight is read once, into it
+        part.ir_version = IR_VERSION
+        part.opset_import.extend(shard.opset_import)
+        graph = part.graph
+        graph.name = f"{shard.graph.name}_{ref.prefix.rstrip('/')}"
+        graph.node.extend(n for n in shard.graph.node if n.name.startswith(ref.prefix))
+        read = {x for n in graph.node for x in n.input if x}
+        for t in shard.graph.initializer:
+            if t.name in read:
+                tensor = graph.initializer.add()
+                tensor.CopyFrom(t)
+                if tensor.data_location == T.EXTERNAL:
+                    load_external_data_for_tensor(tensor, str(path.parent))
+                    tensor.data_location = T.DEFAULT
+                    del tensor.external_data[:]
+        del shard
+        for side, specs in ((graph.input, io.inputs), (graph.output, io.outputs)):
+            side.extend(helper.make_tensor_value_info(s.name, helper.np_dtype_to_tensor_dtype(np.dtype(s.dtype)),
+                                                      s.shape) for s in specs)
+        part, fed = dequantized_weights(part, weights)
+        return _WeightsFed(cpu_session(part, threads=torch.get_num_threads()), fed)
+    except Exception as exc:  # noqa: BLE001  (ONNX Runtime raises its own exception types)
+        raise NpuqError(f"{path} ({ref.prefix.rstrip('/')}): ONNX Runtime cannot open it ({exc}); export the artifact "
+                        "again") from None
 
 
 def _open_cpu(path: Path, weights: dict):
@@ -307,7 +412,8 @@ def dequantized_weights(model, shared: dict) -> tuple[object, dict[str, np.ndarr
     (fed as arrays where numpy holds their type, so no protobuf carries the codes again), so
     each call computes what it computed before, bit for bit. ``shared`` maps a node's inputs
     (names, attributes and bytes) to its values, so the prefill and decode graphs of one
-    export hold one float copy of the weights."""
+    export hold one float copy of the weights. The weights' codes are moved out of ``model``
+    (it holds none of them afterwards): pass a model you drop."""
     fed_types = {T.FLOAT, T.INT8, T.UINT8, T.INT16, T.UINT16, T.INT32, T.UINT32, T.INT64}  # int4 & co. stay initializers
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
@@ -316,6 +422,11 @@ def dequantized_weights(model, shared: dict) -> tuple[object, dict[str, np.ndarr
                 and all(x in inits for x in n.input if x)]
     arrays = {name: numpy_helper.to_array(inits[name])
               for name in dict.fromkeys(x for n in constant for x in n.input if x) if inits[name].data_type in fed_types}
+    # the codes of weights no other node reads are in ``arrays`` now: freed from ``model`` (the
+    # caller's, about to be dropped), so they are not held twice while the values are computed
+    still_read = {x for n in graph.node if n.op_type != "DequantizeLinear" or n not in constant for x in n.input}
+    for name in arrays.keys() - still_read - outputs:
+        inits[name].ClearField("raw_data")
     values: dict[str, np.ndarray] = {}
     todo: dict[str, tuple] = {}  # output name: key
     for node in constant:

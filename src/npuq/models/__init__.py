@@ -228,11 +228,17 @@ def open_streamed(spec: str, max_context: int | None = None, progress: bool = Fa
     return cached if cached is not None else load_model(spec, max_context)
 
 
+def model_fits(cfg: ModelConfig) -> bool:
+    """Whether the float32 model of ``cfg`` fits the memory this process may use (what
+    :func:`guard_model_memory` refuses otherwise)."""
+    return model_sizes(cfg)[1] <= USABLE_FRACTION * available_memory()
+
+
 def guard_model_memory(cfg: ModelConfig, source: str) -> None:
     """Refuse, before anything is read, a model whose float32 weights cannot fit the memory this
     process may use (docs/design.md §13): the kernel would kill the run half-way, silently."""
     needed, available = model_sizes(cfg)[1], available_memory()
-    if needed > USABLE_FRACTION * available:
+    if not model_fits(cfg):
         raise NpuqError(
             f"{source}: the model needs {gib(needed)} as float32 but only {gib(available)} of memory is available "
             f"(at most {USABLE_FRACTION:.0%} of it is used): it does not fit this machine whole. 'npuq info' reads "

@@ -20,7 +20,7 @@ from npuq.device import is_cpu, move_graph
 from npuq.errors import NpuqError
 from npuq.eval.perplexity import EvalResult, evaluate_perplexity
 from npuq.models.config import ModelConfig
-from npuq.runtime.runner import run_programs, tokens_shape
+from npuq.runtime.runner import PartChain, run_programs, tokens_shape
 
 
 @dataclass
@@ -82,7 +82,8 @@ def open_programs(artifact: str | None = None, onnx: str | None = None, provider
         return Programs(manifest.cfg, manifest.context, graphs,
                         _model_source(manifest.tokenizer.model, manifest.tokenizer.source, onnx),
                         {"onnx": str(onnx), "provider": provider, "qnn_version": manifest.target.qnn_version,
-                         "files": sorted({g.file for g in graphs.values()}), "compiled_contexts": used,
+                         "files": sorted({p.file for g in graphs.values()
+                                          for p in (g.programs if isinstance(g, PartChain) else (g,))}), "compiled_contexts": used,
                          "contexts": why})
     raise ValueError("give an artifact or an onnx folder")
 

@@ -31,6 +31,7 @@ and safetensors data: nothing is unpickled and no code from the files runs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -59,7 +60,7 @@ from npuq.optimize.recovery import RecoverySummary
 from npuq.quant.recipe import Recipe
 from npuq.quant.size import WeightSize
 from npuq.records import from_json, optional_key, to_json
-from npuq.resources import check_free_disk
+from npuq.resources import USABLE_FRACTION, available_memory, check_free_disk
 
 ARTIFACT_FORMAT = "npuq-quantized/2"
 PARTS_FORMAT = "npuq-quantized/3"  # a model quantized in parts: one folder of programs per part
@@ -401,7 +402,59 @@ def load_program(path: str | os.PathLike, tensors: dict[str, torch.Tensor] | Non
         raise NpuqError(f"{path}: cannot load the program ({type(exc).__name__}: {exc}); quantize again") from None
 
 
-def load_artifact(folder: str | os.PathLike, fold_constants: bool = True, scoring: bool = True) -> QuantizedModel:
+def _load_part(path: Path, config: ArtifactConfig, part: int, kinds: list[str], fold_constants: bool
+               ) -> dict[str, GraphModule]:
+    """The programs ``kinds`` of part ``part`` (of the whole artifact, if it is one part), sharing
+    its weights (see :func:`load_artifact`)."""
+    tensors = read_weights(weights_path(path, config, part))
+    folded: dict[Any, Any] = {}  # shared by the programs of the part
+    programs = {}
+    for kind in kinds:
+        module = load_program(program_path(path, config, kind, part), tensors)
+        entry = config.programs[kind]
+        shape = (entry.batch or 1, entry.ar_len)
+        if tokens_shape(module) != shape:
+            raise NpuqError(f"--artifact {path}: the {kind} program does not take tokens of shape {shape} as "
+                            "config.json says; quantize again")
+        if fold_constants:  # lazy: fold and simplify rewrite the graph, its code is made once, on the first call
+            module = simplify_qdq(fold_constant_dequant(_LazyGraphModule.from_graphmodule(module), folded))
+        programs[kind] = module
+    return programs
+
+
+class _PartOnDemand:
+    """The programs of one part of an artifact, read on first use and dropped by :meth:`release`."""
+
+    def __init__(self, path: Path, config: ArtifactConfig, part: int, kinds: list[str], fold_constants: bool):
+        self._args = (path, config, part, kinds, fold_constants)
+        self._programs: dict[str, GraphModule] | None = None
+
+    def program(self, kind: str) -> GraphModule:
+        if self._programs is None:
+            self._programs = _load_part(*self._args)
+        return self._programs[kind]
+
+    def release(self) -> None:
+        self._programs = None
+        gc.collect()  # graphs hold reference cycles: their weights go only with a collection
+
+
+class _ProgramOnDemand:
+    """Program ``kind`` of a :class:`_PartOnDemand`, called as the program itself."""
+
+    def __init__(self, part: _PartOnDemand, kind: str, entry: ProgramEntry):
+        self.part, self.kind = part, kind
+        self.tokens_shape = (entry.batch or 1, entry.ar_len)  # what npuq.runtime.runner.tokens_shape reads
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        return self.part.program(self.kind)(*args)
+
+    def release(self) -> None:
+        self.part.release()
+
+
+def load_artifact(folder: str | os.PathLike, fold_constants: bool = True, scoring: bool = True,
+                  in_turn: bool | None = None) -> QuantizedModel:
     """Read an artifact back; ``.logits(tokens (B, T)) -> (B, T, V)`` runs its prefill and
     decode programs from an empty cache (a LogitsFn for npuq.eval).
 
@@ -411,30 +464,30 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True, scorin
     (:func:`npuq.quantize.passes.simplify_qdq`): same numbers, a faster CPU simulation,
     float-sized weights in memory. Pass False to keep the programs as saved (q/dq nodes and all,
     what the lowering reads). ``scoring``: also load the scoring program, if the artifact has one.
+
+    ``in_turn`` (an artifact in parts): each part's programs are read when the part first runs
+    and dropped when a scoring run is done with it (:func:`npuq.runtime.runner.run_in_turn`), so
+    memory holds one part; without the scoring program, whose batch would need every part at
+    once. None: in turn where the parts' float32 weights (4 bytes per stored code) do not fit the
+    memory this process may use.
     """
     path = Path(folder)
     config = read_artifact(path)
     encodings = read_encodings(path / "encodings.json")  # checked before the slow program loads
-    kinds = [*PROGRAMS, *([SCORING] if scoring and SCORING in config.programs else [])]
-    per_part: list[dict[str, GraphModule]] = []
-    for part in range(len(config.parts or [None])):
-        tensors = read_weights(weights_path(path, config, part))
-        folded: dict[Any, Any] = {}  # shared by the programs of the part
-        programs = {}
-        for kind in kinds:
-            module = load_program(program_path(path, config, kind, part), tensors)
-            entry = config.programs[kind]
-            shape = (entry.batch or 1, entry.ar_len)
-            if tokens_shape(module) != shape:
-                raise NpuqError(f"--artifact {path}: the {kind} program does not take tokens of shape {shape} as "
-                                "config.json says; quantize again")
-            if fold_constants:  # lazy: fold and simplify rewrite the graph, its code is made once, on the first call
-                module = simplify_qdq(fold_constant_dequant(_LazyGraphModule.from_graphmodule(module), folded))
-            programs[kind] = module
-        per_part.append(programs)
+    if in_turn is None:
+        stored = sum(weights_path(path, config, k).stat().st_size for k in range(len(config.parts or [None])))
+        in_turn = config.parts is not None and 4 * stored > USABLE_FRACTION * available_memory()
+    in_turn = in_turn and config.parts is not None
+    kinds = [*PROGRAMS, *([SCORING] if scoring and not in_turn and SCORING in config.programs else [])]
     if config.parts is None:
-        programs = per_part[0]
+        programs = _load_part(path, config, 0, kinds, fold_constants)
+    elif in_turn:
+        parts = [_PartOnDemand(path, config, k, kinds, fold_constants) for k in range(len(config.parts))]
+        layers = [p.layers for p in config.parts]
+        programs = {kind: PartChain(layers, [_ProgramOnDemand(p, kind, config.programs[kind]) for p in parts], in_turn=True)
+                    for kind in kinds}
     else:
+        per_part = [_load_part(path, config, k, kinds, fold_constants) for k in range(len(config.parts))]
         layers = [p.layers for p in config.parts]
         programs = {kind: PartChain(layers, [p[kind] for p in per_part]) for kind in kinds}
     return QuantizedModel(

@@ -247,6 +247,8 @@ def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens:
         raise ValueError(f"tokens must be (B, T), got shape {tuple(tokens.shape)}")
     if tokens.shape[1] > context:
         raise NpuqError(f"{tokens.shape[1]} tokens exceed the programs' context of {context}: shorten the input")
+    if all(isinstance(g, PartChain) and g.in_turn for g in graphs.values()):
+        return run_in_turn(cfg, graphs, context, tokens)
     rows, start = [], 0
     prefill_len = max(graphs)
     if batched is not None and all(ar_len == prefill_len for ar_len, _ in
@@ -264,16 +266,32 @@ def run_programs(cfg: ModelConfig, graphs: dict[int, Any], context: int, tokens:
 
 
 class PartChain:
-    """The programs of a model quantized in parts (:func:`npuq.calibrate.graphs.part_graph`),
-    called as one program: (tokens, mask, positions, K caches, V caches) → (logits, K news, V
-    news). Each part gets the hidden states the one before it returned and its own layers'
-    caches, as a device runs context binaries in sequence."""
+    """The programs of a model quantized in parts (:func:`npuq.calibrate.graphs.part_graph`), or
+    the graphs of a sharded export (:func:`npuq.lower.ort.load_export`), called as one program:
+    (tokens, mask, positions, K caches, V caches) → (logits, K news, V news). Each part gets the
+    hidden states the one before it returned and its own layers' caches, as a device runs
+    context binaries in sequence.
 
-    def __init__(self, layers: Sequence[tuple[int, int]], programs: Sequence[Any]):
+    ``in_turn``: :func:`run_programs` runs such chains part by part instead (:func:`run_in_turn`),
+    releasing each part's programs (their ``release()``, where they have one) before the next
+    part runs, so a scoring run holds one part in memory, not the model."""
+
+    def __init__(self, layers: Sequence[tuple[int, int]], programs: Sequence[Any], in_turn: bool = False):
         if len(layers) != len(programs) or not layers:
             raise ValueError(f"{len(programs)} programs for {len(layers)} parts")
-        self.layers, self.programs = tuple(layers), tuple(programs)
+        self.layers, self.programs, self.in_turn = tuple(layers), tuple(programs), in_turn
         self.num_layers = self.layers[-1][1]
+
+    @property
+    def empty_cache(self) -> tuple[float, ...] | None:
+        """What the parts' empty cache slots hold (:class:`StaticRunner`), K of every layer then
+        V, when the parts say (exported graphs that take codes); else None."""
+        fills = [getattr(p, "empty_cache", None) for p in self.programs]
+        if any(f is None for f in fills):
+            return None
+        k = [x for (first, end), f in zip(self.layers, fills) for x in f[: end - first]]
+        v = [x for (first, end), f in zip(self.layers, fills) for x in f[end - first :]]
+        return (*k, *v)
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *caches: torch.Tensor):
         L = self.num_layers
@@ -290,10 +308,62 @@ class PartChain:
         return (x, *k_out, *v_out)
 
 
+class _PartTurn:
+    """Part ``layers`` of a chain, called by a :class:`StaticRunner` as if it were the whole
+    decoder (:func:`run_in_turn`): it takes the hidden states the part before it returned for
+    the same call (``inputs``, in call order; None for the first part, which takes the token
+    ids), keeps what it returns in ``outputs``, and gives zeros for the other layers' news
+    (their cache slots are never read by this part)."""
+
+    def __init__(self, program: Any, layers: tuple[int, int], num_layers: int, inputs: list[torch.Tensor] | None):
+        self.program, (self.first, self.end), self.L = program, layers, num_layers
+        self.inputs, self.outputs = inputs, []
+        fill = getattr(program, "empty_cache", None)
+        if fill is not None:
+            n, before, after = self.end - self.first, (0.0,) * self.first, (0.0,) * (num_layers - self.end)
+            self.empty_cache = (*before, *fill[:n], *after, *before, *fill[n:], *after)
+
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *caches: torch.Tensor):
+        L, first, end, n = self.L, self.first, self.end, self.end - self.first
+        x = tokens if self.inputs is None else self.inputs[len(self.outputs)]
+        out = self.program(x, mask, positions, *caches[first:end], *caches[L + first : L + end])
+        self.outputs.append(out[0])
+        k_none, v_none = torch.zeros_like(out[1]), torch.zeros_like(out[1 + n])
+        return (out[0], *[k_none] * first, *out[1 : 1 + n], *[k_none] * (L - end),
+                *[v_none] * first, *out[1 + n : 1 + 2 * n], *[v_none] * (L - end))
+
+
+def run_in_turn(cfg: ModelConfig, chains: dict[int, PartChain], context: int, tokens: torch.Tensor) -> torch.Tensor:
+    """What :func:`run_programs` returns for ``chains`` (one :class:`PartChain` per ar_len),
+    computed part-major: every row's calls through the first part, then through the second on
+    the hidden states the first returned, and so on, each part's programs released when it is
+    done. Every call sees the inputs and cache it sees in the chained run (the same schedule,
+    the same slots): the same logits, bit for bit."""
+    first = next(iter(chains.values()))
+    if any(c.layers != first.layers for c in chains.values()):
+        raise ValueError("the chains of one model must have the same parts")
+    received: list[dict[int, list[torch.Tensor] | None]] = [dict.fromkeys(chains) for _ in range(tokens.shape[0])]
+    rows: list[torch.Tensor] = []
+    for k, layers in enumerate(first.layers):
+        rows = []
+        for r, row in enumerate(tokens):
+            turns = {ar: _PartTurn(c.programs[k], layers, first.num_layers, received[r][ar]) for ar, c in chains.items()}
+            rows.append(StaticRunner(cfg, turns, context, device=tokens.device).feed(row.tolist()))
+            received[r] = {ar: t.outputs for ar, t in turns.items()}
+        for c in chains.values():
+            release = getattr(c.programs[k], "release", None)
+            if release is not None:
+                release()
+    return torch.cat(rows, dim=0)
+
+
 def tokens_shape(program: Any) -> tuple[int, ...]:
     """The (batch, ar_len) of a static PT2E program (or of the first of a :class:`PartChain`):
     the shape of its tokens input (of a later part's hidden states, their first two sizes)."""
     if isinstance(program, PartChain):
         program = program.programs[0]
+    known = getattr(program, "tokens_shape", None)  # a program read on demand says it without being read
+    if isinstance(known, tuple):
+        return known
     first = next(n for n in program.graph.nodes if n.op == "placeholder")
     return tuple(first.meta["val"].shape[:2])
