@@ -364,8 +364,9 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 def _open_graphs(args: argparse.Namespace, ctx: Any, context: int | None = None) -> tuple[Any, Any]:
     """(the --artifact / --onnx graphs on ctx's device, the float model they were made from) with
     the prefill phase's threads planned on that model; a --context beyond the graphs' is refused
-    before the model loads. Without --kl-divergence, a model too large for memory is opened
-    streamed (no weights read) and the thread counts are not timed."""
+    before the model loads. Without --kl-divergence, a model too large for memory, or one whose
+    graphs run part by part, is opened streamed (no weights read) and the thread counts are not
+    timed."""
     # loaded on use (torch): --help stays fast
     from npuq.models import load_model, model_config, model_fits, open_streamed
     from npuq.pipeline.programs import open_programs
@@ -375,10 +376,13 @@ def _open_graphs(args: argparse.Namespace, ctx: Any, context: int | None = None)
         raise NpuqError(f"--context {context} exceeds the {programs.context} tokens the graphs were built "
                         f"for: use --context {programs.context} or less")
     max_context = max(programs.context, 4096)
-    if getattr(args, "kl_divergence", False) or model_fits(model_config(programs.model_source, max_context)):
+    # graphs run part by part hold one part: the whole float model beside them would undo that
+    in_turn = all(getattr(g, "in_turn", False) for g in programs.graphs.values())
+    if getattr(args, "kl_divergence", False) or (
+            not in_turn and model_fits(model_config(programs.model_source, max_context))):
         loaded = load_model(programs.model_source, max_context=max_context)
         planned_on = loaded.model
-    else:  # too large to hold, and wanted only to time the thread counts: its tokenizer, the counts kept
+    else:  # wanted only to time the thread counts: its tokenizer, the counts kept
         loaded, planned_on = open_streamed(programs.model_source, max_context=max_context), None
     programs.to(ctx.device)
     ctx.plan_model(planned_on, ("prefill",), programs.context, max(programs.graphs))
