@@ -164,6 +164,14 @@ def test_cli_exports_shards_and_eval_scores_them_as_the_unsharded_export(tmp_pat
                  "--json", str(tmp_path / "s2.json")]) == 0
     result = json.loads((tmp_path / "s2.json").read_text())
     assert result["shards"] == 2 and "decode.part-2-of-2" in result["files"]
+    manifest = json.loads((tmp_path / "s2" / "manifest.json").read_text())
+    for bad, message in (({**manifest, "graphs": manifest["shards"][0]["graphs"]}, "not both"),
+                         ({**manifest, "shards": manifest["shards"][::-1]}, "do not cover layers"),
+                         ({**manifest, "format": "npuq-export/1"}, "is not 'npuq-export/2'")):
+        (tmp_path / "s2" / "manifest.json").write_text(json.dumps(bad))
+        with pytest.raises(NpuqError, match=message):
+            read_manifest(tmp_path / "s2")
+    (tmp_path / "s2" / "manifest.json").write_text(json.dumps(manifest))
     assert main(["export", "--artifact", str(tmp_path / "p1"), "--out", str(tmp_path / "one"), *target]) == 0
     scores = []
     for out in ("one", "s2"):

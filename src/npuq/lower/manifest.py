@@ -278,8 +278,12 @@ class Manifest:
         cfg = ModelConfig.from_dict(self.model_config)  # a wrong key, type or value is an NpuqError
         if self.context < 2:
             raise NpuqError(f"context {self.context} is not a whole number of at least 2")
-        if (self.graphs is None) == (self.shards is None) or not (self.graphs or self.shards):
-            raise NpuqError("give 'graphs' (an export in one piece) or 'shards' (a sharded one), not both or neither")
+        if self.graphs is not None and self.shards is not None:
+            raise NpuqError("give 'graphs' (an export in one piece) or 'shards' (a sharded one), not both")
+        if self.shards is None and not self.graphs:
+            raise NpuqError("'graphs' is missing or empty")
+        if self.shards is not None and not self.shards:
+            raise NpuqError("'shards' is empty")
         if self.shards is not None:
             ends = [0] + [s.layers[1] for s in self.shards]
             if [s.layers[0] for s in self.shards] != ends[:-1] or ends[-1] != cfg.num_layers:
