@@ -307,7 +307,7 @@ def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int 
     by_part = provider == "cpu" and not contexts and all(e.parts for e in manifest.graph_entries().values())
     chains: dict[int, list[tuple[tuple[int, int], Any]]] = {}
     shards = manifest.shards or (None,)
-    shared: dict[str, dict] = {}  # per part: the weights its decode and prefill graphs both feed
+    part_weights: dict[str, dict] = {}  # per part: the weights its decode and prefill graphs both feed
     for k, shard in enumerate(shards):
         graphs = manifest.graphs if shard is None else shard.graphs
         for kind, entry in graphs.items():
@@ -318,7 +318,7 @@ def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int 
                 continue
             path = resolve_inside(folder, entry.file, f"--onnx {folder}")
             for ref, io in zip(entry.parts, _part_entries(path, entry, manifest.cfg)):
-                weights = shared.setdefault(ref.prefix, {})
+                weights = part_weights.setdefault(ref.prefix, {})
                 steps.append((ref.layers, OrtGraph(functools.partial(_open_part, path, ref, io, weights), io,
                                                    on_release=weights.clear)))
     if manifest.shards is None and not by_part:
