@@ -268,8 +268,8 @@ def _add_target_options(p: argparse.ArgumentParser) -> None:
                         "(model.type decoder-pipeline), the tokenizer files and small CPU stages around the same "
                         "graphs. CACHE is the KV-cache contract: windowed, the one onnxruntime-genai runs on a "
                         "Snapdragon NPU (QNN HTP device; needs uint8 KV: a recipe file with 8-bit KV, as its error shows; KV inputs "
-                        "declared [KV, 1, ...]), or shared, the one its CPU provider runs (any KV type) "
-                        "(default: off)")
+                        "declared [KV, 1, ...]), or shared, the one its CPU provider runs (any KV type); a sharded "
+                        "export's shards run in order in the same pipeline (default: off)")
 
 
 # --------------------------------------------------------------------------- info

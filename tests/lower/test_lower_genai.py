@@ -33,7 +33,9 @@ def _og():
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """A tiny Llama (a Hugging Face folder with its tokenizer) quantized 16a8w (uint16 KV) and with an
-    8-bit KV recipe, each exported with the cache contract it can take."""
+    8-bit KV recipe, each exported with the cache contract it can take; each also quantized in two
+    parts (one layer each: the same programs, tests/quant/test_quant_parts.py) and exported in two
+    shards (``shared2``, ``windowed2``)."""
     root = tmp_path_factory.mktemp("genai")
     model = save_tiny_hf_folder(root / "model", "llama", seed=0, words=200)
     g = torch.Generator().manual_seed(0)
@@ -42,18 +44,23 @@ def folders(tmp_path_factory):
     (root / "kv8.json").write_text(json.dumps({"default": "16a8w", "kv_bits": 8}))
     out = {}
     for name, recipe in (("kv16", []), ("kv8", ["--recipe", str(root / "kv8.json")])):
-        assert main(["quantize", "--model", str(model), "--calib-corpus", f"file:{text}", "--calib-tokens", "64",
-                     "--context", str(CONTEXT), "--prefill-len", str(WINDOW), "--num-threads", "1",
-                     "--out", str(root / name), *recipe]) == 0
-        out[name] = root / name
-    out["shared"] = root / "shared"
-    export_artifact(out["kv16"], out["shared"], ExportOptions(qnn_version="2.51", htp_arch=73, genai="shared"))
-    out["windowed"] = root / "windowed"
-    export_artifact(out["kv8"], out["windowed"], ExportOptions(qnn_version="2.51", htp_arch=73, genai="windowed"))
-    if qnn_available() is None:  # the windowed folder with QNN HTP contexts of its graphs (--compile)
-        out["compiled"] = root / "compiled"
-        export_artifact(out["kv8"], out["compiled"], ExportOptions(qnn_version="2.51", htp_arch=73, genai="windowed",
-                                                                    compile=True))
+        for parts in (1, 2):
+            folder = root / (name if parts == 1 else f"{name}-parts")
+            assert main(["quantize", "--model", str(model), "--calib-corpus", f"file:{text}", "--calib-tokens", "64",
+                         "--context", str(CONTEXT), "--prefill-len", str(WINDOW), "--num-threads", "1",
+                         "--parts", str(parts), "--out", str(folder), *recipe]) == 0
+            out[folder.name] = folder
+    for cache, artifact in (("shared", "kv16"), ("windowed", "kv8")):
+        for shards in (1, 2):
+            name = cache if shards == 1 else f"{cache}2"
+            out[name] = root / name
+            export_artifact(out[artifact if shards == 1 else f"{artifact}-parts"], out[name],
+                            ExportOptions(qnn_version="2.51", htp_arch=73, genai=cache, shards=shards))
+    if qnn_available() is None:  # the windowed folders with QNN HTP contexts of their graphs (--compile)
+        for name, artifact, shards in (("compiled", "kv8", 1), ("compiled2", "kv8-parts", 2)):
+            out[name] = root / name
+            export_artifact(out[artifact], out[name], ExportOptions(qnn_version="2.51", htp_arch=73, genai="windowed",
+                                                                    compile=True, shards=shards))
     out["model"] = model
     return out
 
@@ -103,6 +110,22 @@ def test_folder_files_and_record(folders):
     assert k.dtype == "uint8" and k.shape[:2] == (2, 1) and windowed.graphs["decode"].kv_heads_first
 
 
+def test_a_sharded_folder_runs_each_shard_between_the_stages(folders):
+    """Two shards: each kind's pipeline runs its stage, both shard graphs in order, and (shared) its
+    output stage; the second shard takes by name the hidden-state codes the first returns."""
+    for cache, stages in (("shared2", ("genai_in_{}.onnx", "{}.part-1-of-2.onnx", "{}.part-2-of-2.onnx",
+                                       "genai_out_{}.onnx")),
+                          ("windowed2", ("genai_mask_{}.onnx", "{}.part-1-of-2.onnx", "{}.part-2-of-2.onnx"))):
+        manifest = read_manifest(folders[cache])
+        pipeline = json.loads((folders[cache] / "genai_config.json").read_text())["model"]["decoder"]["pipeline"]
+        files = [next(iter(s.values()))["filename"] for s in pipeline]
+        assert files == [f.format(kind) for kind in ("prefill", "decode") for f in stages]
+        assert manifest.genai.stages == tuple(files) and len(manifest.shards) == 2
+        first, second = (next(iter(s.values())) for s in pipeline[1:3])
+        hidden = [n for n in first["outputs"] if n.startswith("hidden_")]
+        assert hidden == ["hidden_1"] and hidden[0] in second["inputs"] and "logits" in second["outputs"]
+
+
 def test_onnxruntime_genai_gives_npuq_greedy_tokens(folders, tmp_path):
     """onnxruntime-genai 0.18 on the CPU loads the shared-cache folder; for prompts that fill
     whole windows, part of one, and several, its greedy tokens are those of `npuq generate --onnx`
@@ -146,11 +169,13 @@ def test_a_conversation_gives_npuq_runners_tokens_turn_by_turn(folders, name):
     assert [len(t) for t in got] == [n for _, n in turns] and got == want
 
 
-def test_the_runtime_computes_npuq_runners_logits_bit_for_bit(folders):
+@pytest.mark.parametrize("folder", ["shared", "shared2"])
+def test_the_runtime_computes_npuq_runners_logits_bit_for_bit(folders, folder):
     """Not only the argmax: at every call (a prompt of two chunks, a generation step, a later turn)
-    the logits onnxruntime-genai samples from are npuq's runner's, bit for bit."""
+    the logits onnxruntime-genai samples from are npuq's runner's, bit for bit. ``shared2``: the
+    runtime runs the two shards as one pipeline and still computes the unsharded graphs' logits."""
     og = _og()
-    model = og_model(folders["shared"], threads=1)  # npuq's sessions: 1 thread (conftest)
+    model = og_model(folders[folder], threads=1)  # npuq's sessions: 1 thread (conftest)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=CONTEXT, do_sample=False)
     generator = og.Generator(model, params)
@@ -187,7 +212,8 @@ def test_a_conversation_past_the_context_is_a_clear_error(folders):
 def test_windowed_folder_under_the_reference_driver(folders, tmp_path):
     """The NPU contract's graphs (uint8 KV declared [KV, 1, ...], mask stages), driven as
     onnxruntime-genai's windowed cache drives them, give the greedy tokens of `npuq generate --onnx`
-    on the same folder (npuq's runner feeds the same graphs in its own layout)."""
+    on the same folder (npuq's runner feeds the same graphs in its own layout), and so does the
+    two-shard folder's pipeline, every logit of it equal to the one-shard folder's."""
     for prompt in PROMPTS:
         ids = _prompt_ids(folders, prompt)
         n = _new_tokens(len(ids))
@@ -195,6 +221,10 @@ def test_windowed_folder_under_the_reference_driver(folders, tmp_path):
         driver = WindowedDriver(folders["windowed"], cpu_only=True)
         got = driver.generate(ids, len(want))
         assert len(want) >= 2 and got == want, prompt
+        sharded = WindowedDriver(folders["windowed2"], cpu_only=True)
+        assert sharded.generate(ids, len(want)) == want, prompt
+        assert len(sharded.logits) == len(driver.logits)
+        assert all(np.array_equal(x, y) for x, y in zip(sharded.logits, driver.logits)), prompt
 
 
 def test_compiled_windowed_folder_runs_its_contexts_on_the_htp(folders):
@@ -205,19 +235,22 @@ def test_compiled_windowed_folder_runs_its_contexts_on_the_htp(folders):
     test_lower_htp, so its tokens are compared with the QDQ graphs on the same backend.)"""
     if "compiled" not in folders:
         pytest.skip(str(qnn_available()))
-    folder = folders["compiled"]
-    config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
-    assert config["session_options"]["provider_options"] == [{"qnn": {"backend_type": "htp", "htp_arch": "73"}}]
-    files = [next(iter(s.values()))["filename"] for s in config["pipeline"]]
-    assert files == ["genai_mask_prefill.onnx", "prefill_ctx.onnx", "genai_mask_decode.onnx", "decode_ctx.onnx"]
-    assert read_manifest(folder).genai.stages == tuple(files)
-    for prompt in PROMPTS[:2]:
-        ids = _prompt_ids(folders, prompt)
-        on_contexts, on_graphs = WindowedDriver(folder), WindowedDriver(folder, qdq=True)
-        assert on_graphs.files["decode_ctx"] == "decode.onnx" and on_contexts.files["decode_ctx"] == "decode_ctx.onnx"
-        assert on_contexts.generate(ids, 4) == on_graphs.generate(ids, 4)
-        assert len(on_contexts.logits) == len(on_graphs.logits)
-        assert all(np.array_equal(x, y) for x, y in zip(on_contexts.logits, on_graphs.logits))
+    for name, tags in (("compiled", [""]), ("compiled2", [".part-1-of-2", ".part-2-of-2"])):
+        folder = folders[name]
+        config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
+        assert config["session_options"]["provider_options"] == [{"qnn": {"backend_type": "htp", "htp_arch": "73"}}]
+        files = [next(iter(s.values()))["filename"] for s in config["pipeline"]]
+        assert files == [f for kind in ("prefill", "decode")
+                         for f in [f"genai_mask_{kind}.onnx"] + [f"{kind}{tag}_ctx.onnx" for tag in tags]]
+        assert read_manifest(folder).genai.stages == tuple(files)
+        last = f"decode{tags[-1]}"
+        for prompt in PROMPTS[:2]:
+            ids = _prompt_ids(folders, prompt)
+            on_contexts, on_graphs = WindowedDriver(folder), WindowedDriver(folder, qdq=True)
+            assert on_graphs.files[f"{last}_ctx"] == f"{last}.onnx" and on_contexts.files[f"{last}_ctx"] == f"{last}_ctx.onnx"
+            assert on_contexts.generate(ids, 4) == on_graphs.generate(ids, 4)
+            assert len(on_contexts.logits) == len(on_graphs.logits)
+            assert all(np.array_equal(x, y) for x, y in zip(on_contexts.logits, on_graphs.logits))
 
 
 def test_windowed_graphs_keep_the_npuq_graphs_outputs(folders, tmp_path):

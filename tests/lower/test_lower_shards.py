@@ -157,9 +157,6 @@ def test_cli_exports_shards_and_eval_scores_them_as_the_unsharded_export(tmp_pat
     assert main(["export", "--artifact", str(tmp_path / "p2"), "--out", str(tmp_path / "bad"), "--shards", "3",
                  *target]) == 2
     assert "quantize again with --parts 3" in capsys.readouterr().err and not (tmp_path / "bad").exists()
-    assert main(["export", "--artifact", str(tmp_path / "p2"), "--out", str(tmp_path / "g"), "--shards", "2",
-                 "--genai", "shared", *target]) == 2
-    assert "--genai: the export has 2 shards" in capsys.readouterr().err
     assert main(["export", "--artifact", str(tmp_path / "p2"), "--out", str(tmp_path / "s2"), "--shards", "2", *target,
                  "--json", str(tmp_path / "s2.json")]) == 0
     result = json.loads((tmp_path / "s2.json").read_text())

@@ -33,7 +33,10 @@ class WindowedDriver:
         self.folder = folder
         manifest = json.loads((folder / "manifest.json").read_text())
         compiled = (manifest.get("compiled") or {}).get("graphs", {})
-        graph_of = {c["file"]: manifest["graphs"][kind]["file"] for kind, c in compiled.items()} if qdq else {}
+        shards = manifest.get("shards") or []
+        entries = manifest.get("graphs") or {f"{kind}.part-{k + 1}-of-{len(shards)}": g  # a sharded export's graphs
+                                             for k, shard in enumerate(shards) for kind, g in shard["graphs"].items()}
+        graph_of = {c["file"]: entries[name]["file"] for name, c in compiled.items()} if qdq else {}
         config = json.loads((folder / "genai_config.json").read_text())["model"]
         self.ctx, self.pad_id = config["context_length"], config["pad_token_id"]
         dec = config["decoder"]

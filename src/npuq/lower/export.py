@@ -278,9 +278,6 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
     plan = plan_shards([weights_path(artifact, config, k).stat().st_size for k in range(len(parts))],
                        "auto" if options.shards is None else options.shards)
     count = len(plan)
-    if count > 1 and options.genai:
-        raise NpuqError(f"--genai: the export has {count} shards, and npuq writes onnxruntime-genai folders of one "
-                        "shard only; export with --shards 1 (a model whose weights fit one context), or without --genai")
     in_names, out_names = io_names(L)
     tokenizer = None
     if options.genai:  # refused before any lowering: a window the runtime cannot run, no tokenizer
@@ -416,7 +413,7 @@ def _export(artifact: Path, out: Path, options: ExportOptions, force: bool, targ
             contexts = None  # what a windowed (NPU) folder runs; weight-shared contexts: device only, not wired
             if compiled is not None and not compiled.share_weights and options.genai == "windowed":
                 contexts = {kind: c.file for kind, c in compiled.graphs.items()}
-            genai_record = genai.write_folder(tmp, cfg, config.context, options.genai, all_graphs, tokenizer, contexts,
+            genai_record = genai.write_folder(tmp, cfg, config.context, options.genai, shard_graphs, tokenizer, contexts,
                                               target.htp_arch)
             files["genai_config"] = str(out / genai_record.config)
         model_info = config.model

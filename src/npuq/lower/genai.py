@@ -30,6 +30,11 @@ Two cache contracts (the value of ``--genai``):
   so turn after turn (continuous decoding) the runtime computes npuq's runner's logits bit for
   bit. This contract runs on any ONNX Runtime, which is how npuq's tests prove the folder with
   onnxruntime-genai itself (docs/design.md §11).
+
+A sharded export (``--shards``, docs/design.md §13) is one pipeline too: each kind's shard graphs
+run in order between the same stages, each taking the ``hidden_<L>`` codes the one before it
+returned (the pipeline passes them by name like every other output) and its own layers' caches;
+the stages see the chain as one graph (:func:`chain_entry`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from npuq.errors import NpuqError
-from npuq.lower.manifest import KV_PREFIXES, GenaiFolder, GraphEntry, IOEntry
+from npuq.lower.manifest import KV_PREFIXES, GenaiFolder, GraphEntry, IOEntry, shard_tag
 from npuq.models.config import ModelConfig
 from npuq.models.decoder import MASK_VALUE
 from npuq.quant.recipe import kv_cache_advice
@@ -73,6 +78,21 @@ def _io(entry: GraphEntry) -> tuple[dict[str, IOEntry], dict[str, IOEntry]]:
     return {s.name: s for s in entry.inputs}, {s.name: s for s in entry.outputs}
 
 
+def chain_entry(entries: Sequence[GraphEntry]) -> GraphEntry:
+    """A kind's shard graphs, in order, as one graph: the first one's tokens, the mask and
+    positions, every shard's caches in and news out, the last one's logits (the ``hidden_<L>``
+    codes between them stay inside the chain). One graph is itself."""
+    if len(entries) == 1:
+        return entries[0]
+
+    def outer(specs: Any) -> tuple[IOEntry, ...]:
+        return tuple({s.name: s for s in specs if not s.name.startswith("hidden_")}.values())
+
+    return dataclasses.replace(entries[0], file="", external_data=None, sha256="", parts=None,
+                               inputs=outer(s for e in entries for s in e.inputs),
+                               outputs=outer(s for e in entries for s in e.outputs))
+
+
 def check_window(context: int, window: int) -> None:
     """Refuse a context and prompt window the runtime cannot run, before any lowering."""
     if window < 2:
@@ -88,10 +108,14 @@ def check_io(cfg: ModelConfig, kind: str, specs: Sequence[IOEntry], cache: str) 
     """Refuse a graph whose inputs and outputs the cache contract (one of
     manifest.GENAI_CACHES, checked by ExportOptions) cannot feed (names the fix)."""
     names = {s.name: s for s in specs}
-    for name in ("tokens", "mask", "positions", "logits", "k_cache_0", "v_cache_0", "k_new_0", "v_new_0"):
-        if name not in names:
+    hidden = any(name.startswith("hidden_") for name in names)  # a shard's graph: hidden states in or out
+    for name in ("tokens", "logits", "mask", "positions", "k_cache_", "v_cache_", "k_new_", "v_new_"):
+        found = name in names or (name.endswith("_") and any(n.startswith(name) for n in names)) or \
+            (hidden and name in ("tokens", "logits"))
+        if not found:
             raise NpuqError(f"--genai: the {kind} graph has no tensor {name!r}; export again with this npuq")
-    if names["mask"].shape[1] != (2 if cfg.has_sliding_layers else 1) or names["logits"].dtype != "float32":
+    if names["mask"].shape[1] != (2 if cfg.has_sliding_layers else 1) or \
+            ("logits" in names and names["logits"].dtype != "float32"):
         raise NpuqError(f"--genai: the {kind} graph's mask or logits are not npuq's; export again with this npuq")
     kv = [s for s in specs if s.name.startswith(KV_PREFIXES)]
     if cache == "windowed":
@@ -480,29 +504,31 @@ def npu_session_options(htp_arch: int | None) -> dict[str, Any]:
     return {"log_id": "npuq", "provider_options": [{"qnn": qnn}]}
 
 
-def pipeline_config(cfg: ModelConfig, context: int, cache: str, graphs: dict[str, GraphEntry],
+def pipeline_config(cfg: ModelConfig, context: int, cache: str, chains: dict[str, Sequence[GraphEntry]],
                     stages: dict[str, onnx.ModelProto], tokenizer_ids: dict[str, Any],
                     contexts: dict[str, str] | None = None, htp_arch: int | None = None) -> dict[str, Any]:
-    """genai_config.json for the stages (file name → model) and npuq's graphs. ``windowed``:
-    the graphs run on the QNN HTP (the compiled contexts ``contexts[kind]`` instead of the QDQ
-    graphs when the export has them); ``shared``: everything on the CPU."""
-    window = graphs["prefill"].ar_len
+    """genai_config.json for the stages (file name → model) and npuq's graphs (``chains``: each
+    kind's graphs, one per shard, in order). ``windowed``: the graphs run on the QNN HTP (the
+    compiled context ``contexts[name]`` of a graph instead of its QDQ graph when the export has
+    them; names as in the manifest's graph_entries); ``shared``: everything on the CPU."""
+    window = chains["prefill"][0].ar_len
     cpu = {"provider_options": []}
     contexts = contexts or {}
     pipeline = []
     for kind, prompt in (("prefill", True), ("decode", False)):
-        entry = graphs[kind]
+        chain = chains[kind]
         before = f"genai_{'mask' if cache == 'windowed' else 'in'}_{kind}.onnx"
-        steps = [(before, stages[before], cpu)]
-        steps.append((contexts.get(kind, entry.file), None, None))
+        steps: list[tuple[str, onnx.ModelProto | GraphEntry, dict | None]] = [(before, stages[before], cpu)]
+        steps += [(contexts.get(f"{kind}{shard_tag(k, len(chain))}", entry.file), entry, None)
+                  for k, entry in enumerate(chain)]
         if cache == "shared":
             after = f"genai_out_{kind}.onnx"
             steps.append((after, stages[after], cpu))
         for file, model, options in steps:
-            if model is not None:
+            if isinstance(model, onnx.ModelProto):
                 inputs, outputs = _names(model)
             else:
-                inputs, outputs = [s.name for s in entry.inputs], [s.name for s in entry.outputs]
+                inputs, outputs = [s.name for s in model.inputs], [s.name for s in model.outputs]
             stage: dict[str, Any] = {"filename": file, "inputs": inputs, "outputs": outputs,
                                      "run_on_prompt": prompt, "run_on_token_gen": not prompt}
             if options is not None:
@@ -514,7 +540,8 @@ def pipeline_config(cfg: ModelConfig, context: int, cache: str, graphs: dict[str
         past_k, past_v, present_k, present_v = PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE
     if cache == "windowed":
         sliding: dict[str, Any] = {"window_size": window, "alignment": "right", "slide_inputs": True,
-                                   "slide_key_value_cache": True, "pad_value": pad_value(graphs)}
+                                   "slide_key_value_cache": True,
+                                   "pad_value": pad_value({kind: chain_entry(c) for kind, c in chains.items()})}
         names = {"input_ids": "tokens", "position_ids": "positions", "logits": "logits"}
     else:
         # The runtime calls the prompt stages ceil(n / window) times for an append of n > 1 tokens
@@ -583,11 +610,14 @@ def chat_template_file(folder: Path, written: Sequence[str], tokenizer: Any) -> 
                     "reads; export with the transformers version pinned by npuq")
 
 
-def write_folder(folder: Path, cfg: ModelConfig, context: int, cache: str, graphs: dict[str, GraphEntry],
+def write_folder(folder: Path, cfg: ModelConfig, context: int, cache: str, shards: Sequence[dict[str, GraphEntry]],
                  tokenizer: Any, contexts: dict[str, str] | None = None, htp_arch: int | None = None) -> GenaiFolder:
     """Write the stages, the tokenizer and genai_config.json into ``folder`` (the export being
-    written, beside npuq's graphs); returns the manifest's record of them. ``contexts``: the
-    compiled context of each graph (--compile), which a windowed folder's pipeline runs."""
+    written, beside npuq's graphs); returns the manifest's record of them. ``shards``: each
+    shard's graphs by kind, in order (one for an unsharded export); ``contexts``: the compiled
+    context of each graph (--compile, by graph name), which a windowed folder's pipeline runs."""
+    chains = {kind: [s[kind] for s in shards] for kind in shards[0]}
+    graphs = {kind: chain_entry(chain) for kind, chain in chains.items()}
     stages: dict[str, onnx.ModelProto] = {}
     for kind, entry in graphs.items():
         if cache == "windowed":
@@ -608,7 +638,7 @@ def write_folder(folder: Path, cfg: ModelConfig, context: int, cache: str, graph
         raise NpuqError("--genai: the model's tokenizer has no fast (tokenizer.json) form, which onnxruntime-genai "
                         "reads; export without --genai")
     template = chat_template_file(folder, written, tokenizer)
-    config = pipeline_config(cfg, context, cache, graphs, stages, token_ids(cfg, tokenizer), contexts, htp_arch)
+    config = pipeline_config(cfg, context, cache, chains, stages, token_ids(cfg, tokenizer), contexts, htp_arch)
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     order = tuple(next(iter(stage.values()))["filename"] for stage in config["model"]["decoder"]["pipeline"])
     return GenaiFolder(config=CONFIG_FILE, cache=cache, model_type="decoder-pipeline", window=graphs["prefill"].ar_len,
