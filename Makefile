@@ -30,8 +30,11 @@ demo: $(STAMP)
 		--out $(DEMO_OUT)
 	@echo "demo report: $(DEMO_OUT)/report.html (data: $(DEMO_OUT)/report.json)"
 
+# The suite in TEST_WORKERS processes (each test still on one torch thread, tests/conftest.py), a
+# module's tests in one process so its fixtures are built once; TEST_WORKERS=0 runs it in this one.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 clean:
 	rm -rf $(VENV) out
