@@ -1,5 +1,5 @@
 """Word perplexity of SmolLM2-135M under each quantization recipe and accuracy-recovery method,
-on two domains.
+on three domains.
 
 Calibration text is the builtin corpus's calib split (CPython's reference documentation). Every
 configuration is scored at context 512 on
@@ -7,7 +7,10 @@ configuration is scored at context 512 on
 - ``builtin``: the builtin corpus's eval split, disjoint from calib but of the same domain;
 - ``prose``: English prose of another domain, never used for calibration or tuning: the 1911
   Encyclopaedia Britannica article on Shakespeare (the eval split of npuq's ``prose`` corpus,
-  downloaded into npuq's cache on first use).
+  downloaded into npuq's cache on first use);
+- ``code``: Python source, never used for calibration unless a row's calib names it: the eval
+  split of npuq's ``code`` corpus (standard library modules of the running Python; 4096 tokens
+  are cmd.py and the start of code.py).
 
 Every configuration starts from the same float weights; one with ``rotate`` ("r1" or "r1+r2")
 first folds rotations into them (npuq.optimize.rotate, seed 0, as ``npuq quantize --rotate``
@@ -18,11 +21,14 @@ each rotation; ``--set recovery``: the recovery methods one by one on the builti
 recipes; ``--set calibration``: 16a8w (plain and rotated r1), 16a4w, 16a4w_block and
 16a4w_mixed (rotated r1, SeqMSE + GPTQ) calibrated on the builtin calib split alone or half
 and half with other prose (``builtin+prose``: the calib split of ``prose`` is Milton's
-Areopagitica, never scored). ``--layer-tokens N`` also records, per quantized row, every linear
+Areopagitica, never scored); ``--set calibration-mix``: the default 16a8w (rotated r1) and
+16a4w_mixed / 16a4w_block (rotated r1, SeqMSE + GPTQ) calibrated on each of builtin,
+builtin+prose, builtin+code, builtin+prose+code and prose+code (equal token shares), the
+measurement behind the default calibration text (docs/design.md §12). ``--layer-tokens N`` also records, per quantized row, every linear
 layer's output and weight SQNR against the float model in the row's basis (rotated as the row
 is; npuq.eval.layers, as ``npuq run``'s layers stage) on the first N tokens of the builtin eval
 split, and for rows that rotate, the lowest and the largest loss against the same row
-unrotated when that row ran too. Writes JSON:
+unrotated when that row ran too. Writes JSON, again after every row:
 
     .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 2048] [--eval-tokens 4096] [--layer-tokens 0] [--out FILE]
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import platform
 import time
 from pathlib import Path
 
@@ -101,7 +108,22 @@ CALIBRATION_CONFIGS += [config(f"16a8w, rotated r1, calibrated on {c}", "16a8w",
 CALIBRATION_CONFIGS += [config(f"{r} + SeqMSE + GPTQ, rotated r1, calibrated on {c}", r, 50, rounding="gptq",
                                inputs="quantized", act_order=True, rotate="r1", calib=c)
                         for r in ("16a4w", "16a4w_block", "16a4w_mixed") for c in ("builtin", MIX)]
-SETS = {"domains": DOMAIN_CONFIGS, "recovery": CONFIGS, "calibration": CALIBRATION_CONFIGS}
+# The default calibration text (issue #29): each mix of the three offline-or-cached kinds of text, for the default
+# 16a8w (R1) and the best 4-bit recipes, scored on all three domains.
+MIXES = ("builtin", "builtin+prose", "builtin+code", "builtin+prose+code", "prose+code")
+CALIBRATION_MIX_CONFIGS = [config(f"16a4w_mixed + SeqMSE + GPTQ, rotated r1, calibrated on {c}", "16a4w_mixed", 50,
+                                  rounding="gptq", inputs="quantized", act_order=True, rotate="r1", calib=c)
+                           for c in MIXES]
+CALIBRATION_MIX_CONFIGS += [config(f"16a8w, rotated r1, calibrated on {c}", "16a8w", rotate="r1", calib=c)
+                            for c in MIXES]
+CALIBRATION_MIX_CONFIGS += [config(f"16a4w_block + SeqMSE + GPTQ, rotated r1, calibrated on {c}", "16a4w_block", 50,
+                                   rounding="gptq", inputs="quantized", act_order=True, rotate="r1", calib=c)
+                            for c in MIXES]
+SETS = {"domains": DOMAIN_CONFIGS, "recovery": CONFIGS, "calibration": CALIBRATION_CONFIGS,
+        "calibration-mix": CALIBRATION_MIX_CONFIGS}
+DOMAINS = {"builtin": "builtin eval split",
+           "prose": "prose eval split (the 1911 Britannica article on Shakespeare)",
+           "code": "code eval split (Python standard library modules; see npuq.data.code)"}
 
 
 def main() -> None:
@@ -139,9 +161,11 @@ def main() -> None:
         model.config = cfg
         return report
 
-    calib_specs = {"builtin": "builtin", MIX: MIX}  # label → npuq corpus spec
+    selected = [spec for spec in SETS[args.set]
+                if not args.only or any(o == spec["config"] if args.exact else o in spec["config"] for o in args.only)]
+    calib_specs = {c: c for c in dict.fromkeys(["builtin"] + [spec["calib"] for spec in selected])}  # label → spec
     calibs = {name: corpus_tokens(tok, spec, args.calib_tokens) for name, spec in calib_specs.items()}
-    domains = {"builtin": load_corpus("builtin", "eval"), "prose": load_corpus("prose", "eval")}
+    domains = {name: load_corpus(name, "eval") for name in DOMAINS}
 
     def evaluate(logits_fn, row, batch_size=1):
         """Score every domain into ``row``: metrics per domain, and ratios to the float row.
@@ -158,8 +182,16 @@ def main() -> None:
             row["domains"][name] = m
         rows.append(row)
         print(json.dumps(row), flush=True)
+        write_result()  # after every row: a long run interrupted keeps what it measured
 
     rows: list[dict] = []
+
+    def write_result() -> None:
+        result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
+                  "eval_tokens": args.eval_tokens, "calibration": calib_specs, "domains": DOMAINS,
+                  "python": platform.python_version(), "threads": torch.get_num_threads(), "rows": rows}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.out, result)
     layer_ids = corpus_tokens(tok, "builtin", args.layer_tokens, split="eval") if args.layer_tokens else []
 
     def compare_layers(row: dict) -> None:
@@ -181,8 +213,6 @@ def main() -> None:
                                "unrotated_lowest_db": min(v["output_sqnr_db"] for v in twin["layers"].values()
                                                           if v["output_sqnr_db"] is not None)}
     evaluate(lambda t: forward_logits(model, t), {"config": "float", "rotate": None})
-    selected = [spec for spec in SETS[args.set]
-                if not args.only or any(o == spec["config"] if args.exact else o in spec["config"] for o in args.only)]
     for rotate in dict.fromkeys(spec["rotate"] for spec in selected if spec["rotate"]):
         report = load_weights(rotate)
         evaluate(lambda t: forward_logits(model, t),
@@ -218,13 +248,7 @@ def main() -> None:
             print(json.dumps({"config": row["config"], "layers": row["layers"], "vs_unrotated": row.get("vs_unrotated")}),
                   flush=True)
     load_weights(None)
-    result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
-              "eval_tokens": args.eval_tokens, "calibration": calib_specs,
-              "domains": {"builtin": "builtin eval split",
-                          "prose": "prose eval split (the 1911 Britannica article on Shakespeare)"},
-              "threads": torch.get_num_threads(), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.out, result)
+    write_result()
     print(f"wrote {args.out}")
 
 

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from npuq.data import load_corpus
+from npuq.data.corpora import CALIB_CORPUS
 from npuq.errors import NpuqError
 from npuq.fsio import write_json
 from npuq.quant.recipe import RECIPES, ROTATE_CHOICES
@@ -180,10 +181,11 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", metavar="R",
                    help=f"built-in recipe ({', '.join(RECIPES)}) or a JSON file of rules; --scheme replaces its "
                         "default (default: 16a8w with R1, the same for every model)")
-    p.add_argument("--calib-corpus", default="builtin", metavar="C",
+    p.add_argument("--calib-corpus", default=CALIB_CORPUS, metavar="C",
                    help="corpus whose calib split is the calibration text: builtin, file:PATH, wikitext2, prose "
-                        "(Milton's Areopagitica, downloaded on first use), or a mix joined by '+' that takes an equal "
-                        "share of tokens from each, e.g. builtin+prose or builtin+file:mine.txt (default: builtin)")
+                        "(Milton's Areopagitica, downloaded on first use), code (Python standard library modules), "
+                        "or a mix joined by '+' that takes an equal share of tokens from each, e.g. builtin+prose or "
+                        f"builtin+file:mine.txt (default: {CALIB_CORPUS})")
     p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N",
                    help="calibration tokens (whole windows of --context, plus one shorter tail) (default 4096)")
     p.add_argument("--context", type=_context, default=512, metavar="L",
@@ -560,10 +562,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", default="builtin", metavar="C",
                    help="builtin (Python's own documentation, offline), file:PATH (.txt = one document, "
                         ".jsonl = {\"text\": ...} per line), wikitext2 (needs the datasets library), prose "
-                        "(English prose of another domain, downloaded on first use) or a '+' mix (default: builtin)")
+                        "(English prose of another domain, downloaded on first use), code (Python source: standard "
+                        "library modules, offline) or a '+' mix (default: builtin)")
     p.add_argument("--split", choices=("eval", "calib"), default="eval",
                    help="which half of builtin / wikitext2 (test / train) / prose (the 1911 Britannica article on "
-                        "Shakespeare / Milton's Areopagitica) to score; files have no split (default: eval)")
+                        "Shakespeare / Milton's Areopagitica) / code to score; files have no split (default: eval)")
     p.add_argument("--context", type=_nonneg_int, default=512, metavar="L",
                    help="tokens per window, 2 to the model's limit (default 512)")
     budget = p.add_mutually_exclusive_group()
@@ -670,8 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     _add_quantize_options(p)
     p.add_argument("--eval-corpus", default="builtin", metavar="C",
-                   help="evaluation text (its eval split, disjoint from calib): builtin, file:PATH, wikitext2, prose or a "
-                        "'+' mix (default: builtin)")
+                   help="evaluation text (its eval split, disjoint from calib): builtin, file:PATH, wikitext2, prose, "
+                        "code or a '+' mix (default: builtin)")
     p.add_argument("--eval-tokens", type=_pos_int, default=4096, metavar="N",
                    help="tokens scored in each evaluation (float, quantized, exported) (default 4096)")
     _add_target_options(p)

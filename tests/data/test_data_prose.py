@@ -313,3 +313,25 @@ def test_mixes_with_builtin_either_way(cached):
     tokens = corpus_tokens(Words(), "builtin+prose", 20)
     assert tokens[:10] == corpus_tokens(Words(), "builtin", 10)  # half the tokens from each part
     assert tokens[10:] == [0] + Words().encode(AREOPAGITICA_TEXT)  # all 6 words of the short part
+
+
+def test_three_parts_take_a_third_of_the_tokens_each(cached):
+    """builtin+prose+code: each part's documents in turn, and 22 tokens split 8 / 7 / 7 in the
+    order given (the prose part, BOS and its 6 words, exactly fills its share)."""
+    import abc
+
+    mix = load_corpus("builtin+prose+code", "calib")
+    assert [d.part for d in mix[:4]] == ["builtin", "prose", "code", "builtin"]
+    assert mix[2].id == "code/abc.py"  # the first calib module by path
+
+    class Words:  # one token per word, 0 for BOS
+        bos_token_id = 0
+
+        def encode(self, text, add_special_tokens=False):
+            return [1 + len(w) for w in text.split()]
+
+    with open(abc.__file__, encoding="utf-8") as f:
+        abc_words = Words().encode(f.read())
+    builtin_first = load_corpus("builtin", "calib")[0].page
+    tokens = corpus_tokens(Words(), "builtin+prose+code", 22)
+    assert tokens == [0] + Words().encode(builtin_first)[:7] + [0] + Words().encode(AREOPAGITICA_TEXT) + [0] + abc_words[:6]

