@@ -185,3 +185,30 @@ def test_an_artifact_in_parts_runs_part_by_part_with_the_same_logits(tmp_path):
     assert in_turn.scoring is None and all(c.in_turn for c in in_turn.graphs().values())
     assert torch.equal(in_turn.logits(tokens), chained.logits(tokens))
     assert all(p.part._programs is None for p in in_turn.decode.programs)  # every part released
+
+
+def test_the_head_part_calibrates_a_window_at_a_time_with_the_same_encodings(monkeypatch, calibration):
+    """Quantizing in parts, the part that holds the head calibrates at most ``head_rows`` windows
+    per call (its logits are context × vocabulary floats a window); the observers see every
+    window's values in the same ops, so the encodings are the whole graph's, which calibrates a
+    whole batch per call."""
+    from npuq.quantize import pt2e
+
+    calls = []
+    real = pt2e.calibrate_onepass
+
+    def spy(graph, cfg, windows, batch_size, progress=None, **kwargs):
+        calls.append(kwargs.get("rows"))
+        return real(graph, cfg, windows, batch_size, progress, **kwargs)
+
+    model = tiny_decoder("qwen2")[1]
+    L = model.config.num_layers
+    recipe = load_recipe(None, "16a8w")
+    whole = quantize_model(model, recipe, calibration, context=CONTEXT, batch_size=3)
+    monkeypatch.setattr(pt2e, "calibrate_onepass", spy)
+    monkeypatch.setattr(pt2e, "HEAD_CALL_BYTES", 1)  # a window per call
+    parts = quantize_model(model, recipe, calibration, context=CONTEXT, batch_size=3, parts=even_parts(L, 2))
+    assert calls == [None, 1]
+    assert _by_name(parts.encodings) == _by_name(whole.encodings)
+    monkeypatch.undo()
+    assert pt2e.head_rows(model.config, CONTEXT) == max(1, pt2e.HEAD_CALL_BYTES // (4 * CONTEXT * 256))
