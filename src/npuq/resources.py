@@ -10,8 +10,12 @@ The estimates are pure functions of their arguments, so tests feed them any "ava
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import gc
 import os
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +181,29 @@ def available_memory(device=None) -> int:
 
 
 # --------------------------------------------------------------------------- disk
+def release_freed_memory() -> None:
+    """Collect garbage (graphs hold reference cycles: their tensors outlive them until a
+    collection), then hand the C allocator's free pages back to the system (glibc's
+    ``malloc_trim``; elsewhere nothing more). glibc keeps freed blocks below its mmap threshold
+    (which rises to 32 MB after the first large free) in its heaps: quantizing
+    Qwen2.5-Coder-0.5B in parts, the process still held 1.7 GB after its second part was freed,
+    0.53 GB after a trim. Called between the parts of a model quantized or exported in parts."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; musl has none
+    except (OSError, AttributeError):
+        return None
+
+
 def _existing(path: Path) -> Path:
     path = path.absolute()
     while not path.exists() and path != path.parent:

@@ -190,3 +190,41 @@ def test_cli_exports_shards_and_eval_scores_them_as_the_unsharded_export(tmp_pat
                          "--max-tokens", "48", "--num-threads", "1", "--json", str(tmp_path / f"h{out}.json")]) == 0
             htp.append(json.loads((tmp_path / f"h{out}.json").read_text())["word_perplexity"])
         assert htp[0] == htp[1]
+
+
+def test_16_bit_codes_lowered_as_stored_give_the_same_files(artifacts, tmp_path, monkeypatch):
+    """The export reads each program with its 16-bit codes as the uint16 the artifact stores
+    (``load_program(narrow=True)``), not widened to the int32 the program holds: the lowering
+    writes them as uint16 anyway. Reference: the export of the programs as they run (widened);
+    every graph, data and encodings file must be the same bytes, and some codes must have been
+    read narrow (the 16-bit embedding table, a 16-bit bias)."""
+    from npuq.quantize import artifact as artifact_mod
+    from npuq.quantize.graphfile import NARROWED
+
+    whole, parts, L = artifacts
+    narrowed = []
+    real = artifact_mod.load_program
+
+    def load(path, tensors=None, *, narrow=False):
+        program = real(path, tensors, narrow=narrow)
+        narrowed.extend(program.meta.get(NARROWED, ()))
+        return program
+
+    monkeypatch.setattr(export_mod, "load_program", load)
+    monkeypatch.setattr(export_mod, "PROTOBUF_LIMIT", 2)  # the parts' weights to a data file too
+    monkeypatch.setattr(shards_mod, "EXTERNAL_MIN_BYTES", 256)
+    for name, art in (("whole", whole), ("parts", parts)):
+        export_artifact(art, tmp_path / f"{name}-narrow", TARGET)
+        assert narrowed, name
+        narrowed.clear()
+        monkeypatch.setattr(export_mod, "load_program", lambda path, tensors=None, *, narrow=False: load(path, tensors))
+        export_artifact(art, tmp_path / f"{name}-wide", TARGET)
+        assert not narrowed
+        monkeypatch.setattr(export_mod, "load_program", load)
+        files = sorted(p.name for p in (tmp_path / f"{name}-wide").iterdir() if p.suffix in (".onnx", ".data", ".json")
+                       and p.name != "manifest.json")
+        assert files == sorted(p.name for p in (tmp_path / f"{name}-narrow").iterdir()
+                               if p.suffix in (".onnx", ".data", ".json") and p.name != "manifest.json")
+        assert any(f.endswith(".onnx") for f in files)
+        for f in files:
+            assert (tmp_path / f"{name}-narrow" / f).read_bytes() == (tmp_path / f"{name}-wide" / f).read_bytes(), f

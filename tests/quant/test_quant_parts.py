@@ -10,6 +10,7 @@ the resident one holds, so it must give the same again.
 """
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -131,21 +132,73 @@ def test_parts_are_checked():
         check_parts([(0, 3)], 4)
 
 
-def test_auto_parts_loads_a_model_that_fits_and_splits_one_that_does_not(monkeypatch):
+def _splits(n):
+    """Every way to cut n layers into runs of consecutive layers, as (first, end) pairs."""
+    for mask in itertools.product((False, True), repeat=n - 1):
+        cuts = [0, *(i + 1 for i, cut in enumerate(mask) if cut), n]
+        yield tuple(zip(cuts, cuts[1:]))
+
+
+def test_auto_parts_keeps_small_models_whole_and_cuts_larger_ones_by_bytes(monkeypatch):
     from npuq.models import model_sizes
     from npuq.quantize import stage
     from npuq.resources import USABLE_FRACTION
 
-    cfg = tiny_decoder("smollm3")[1].config  # 4 layers
-    weights = model_sizes(cfg)[1]
-    assert auto_parts(cfg, int(2.5 * weights / USABLE_FRACTION) + 1) == 1
-    # below that: parts of at most a quarter of the usable memory, at least 2
-    assert auto_parts(cfg, int(2 * weights / USABLE_FRACTION)) == 2
-    assert auto_parts(cfg, int(weights / USABLE_FRACTION)) == 4  # each part a quarter of the weights
-    assert auto_parts(cfg, int(0.1 * weights / USABLE_FRACTION)) == 4  # never more parts than layers
-    # and of at most PART_BYTES, however much memory there is to spare
-    monkeypatch.setattr(stage, "PART_BYTES", weights // 3 + 1)
-    assert auto_parts(cfg, int(2 * weights / USABLE_FRACTION)) == 3
+    model = tiny_decoder("smollm3")[1]  # 4 layers
+    cfg = model.config
+    L = cfg.num_layers
+    by_layer = [0] * L  # the reference: the tiny model's own parameters, by the layer that holds them
+    for name, p in model.named_parameters():
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else 0 if name.startswith("embed") else L - 1
+        by_layer[layer] += 4 * p.numel()
+    weights = sum(by_layer)
+    assert weights == model_sizes(cfg)[1]
+    plenty = int(100 * weights / USABLE_FRACTION)
+    whole = ((0, L),)
+
+    def best(limit):  # brute force: the fewest runs within the limit, and the smallest largest run of that count
+        fitting = [s for s in _splits(L) if max(sum(by_layer[a:b]) for a, b in s) <= max(limit, max(by_layer))]
+        count = min(len(s) for s in fitting)
+        return count, min(max(sum(by_layer[a:b]) for a, b in s) for s in fitting if len(s) == count)
+
+    # a model of at most PART_BYTES that fits: one part, loaded whole, whatever the memory to spare
+    assert stage.PART_BYTES >= weights and auto_parts(cfg, plenty) == whole
+    assert auto_parts(cfg, int(2.5 * weights / USABLE_FRACTION) + 1) == whole
+    for limit in (weights // 2, weights // 3 + 1, weights // 4, 1):  # larger models: parts of at most PART_BYTES
+        monkeypatch.setattr(stage, "PART_BYTES", limit)
+        layout = auto_parts(cfg, plenty)
+        assert check_parts(layout, L) == layout  # every layer once, in order
+        assert (len(layout), max(sum(by_layer[a:b]) for a, b in layout)) == best(limit), limit
+        assert auto_parts(cfg, plenty, whole=True) == whole  # SeqMSE/GPTQ, a budget: the whole model, which fits
+    monkeypatch.setattr(stage, "PART_BYTES", 1 << 40)
+    # one that does not fit 2.5x: parts of a quarter of the usable memory, also where the run wants it whole
+    tight = int(2 * weights / USABLE_FRACTION)
+    for needs_whole in (False, True):
+        layout = auto_parts(cfg, tight, whole=needs_whole)
+        assert len(layout) > 1 and (len(layout), max(sum(by_layer[a:b]) for a, b in layout)) == best(
+            int(USABLE_FRACTION * tight / 4))
+
+
+def test_auto_parts_gives_a_large_embedding_table_a_part_with_one_layer(monkeypatch):
+    """A vocabulary-heavy model (Qwen2.5-1.5B: a 0.93 GB table, 0.19 GB blocks): the first part is
+    the table and one layer, the last one layer and the head, the layers between in as few parts
+    as there can be of at most the largest of those two (which sets the run's peak anyway)."""
+    from npuq.models import StaticDecoder
+    from npuq.quantize import stage
+
+    cfg = dataclasses.replace(tiny_decoder("qwen2")[1].config, vocab_size=4096, num_layers=12, layer_types=(),
+                              use_rope=())
+    with torch.device("meta"):
+        params = dict(StaticDecoder(cfg, 1).named_parameters())
+    table = 4 * params["embed_tokens.weight"].numel()
+    block = 4 * sum(p.numel() for n, p in params.items() if n.startswith("layers.0."))
+    limit = table + block // 2  # the table fits, not with a layer beside it
+    monkeypatch.setattr(stage, "PART_BYTES", limit)
+    layout = auto_parts(cfg, 1 << 40)
+    assert layout[0] == (0, 1) and layout[-1] == (11, 12)
+    # the largest part (one layer, the final norm and the head) sets the limit the others keep
+    per_part = (table + block + 4 * cfg.hidden_size) // block
+    assert all(b - a <= per_part for a, b in layout[1:-1]) and len(layout) == 2 + -(-10 // per_part)
 
 
 def test_cli_quantizes_in_parts_and_eval_scores_the_artifact(tmp_path, capsys):
@@ -185,3 +238,30 @@ def test_an_artifact_in_parts_runs_part_by_part_with_the_same_logits(tmp_path):
     assert in_turn.scoring is None and all(c.in_turn for c in in_turn.graphs().values())
     assert torch.equal(in_turn.logits(tokens), chained.logits(tokens))
     assert all(p.part._programs is None for p in in_turn.decode.programs)  # every part released
+
+
+def test_the_head_part_calibrates_a_window_at_a_time_with_the_same_encodings(monkeypatch, calibration):
+    """Quantizing in parts, the part that holds the head calibrates at most ``head_rows`` windows
+    per call (its logits are context × vocabulary floats a window); the observers see every
+    window's values in the same ops, so the encodings are the whole graph's, which calibrates a
+    whole batch per call."""
+    from npuq.quantize import pt2e
+
+    calls = []
+    real = pt2e.calibrate_onepass
+
+    def spy(graph, cfg, windows, batch_size, progress=None, **kwargs):
+        calls.append(kwargs.get("rows"))
+        return real(graph, cfg, windows, batch_size, progress, **kwargs)
+
+    model = tiny_decoder("qwen2")[1]
+    L = model.config.num_layers
+    recipe = load_recipe(None, "16a8w")
+    whole = quantize_model(model, recipe, calibration, context=CONTEXT, batch_size=3)
+    monkeypatch.setattr(pt2e, "calibrate_onepass", spy)
+    monkeypatch.setattr(pt2e, "HEAD_CALL_BYTES", 1)  # a window per call
+    parts = quantize_model(model, recipe, calibration, context=CONTEXT, batch_size=3, parts=even_parts(L, 2))
+    assert calls == [None, 1]
+    assert _by_name(parts.encodings) == _by_name(whole.encodings)
+    monkeypatch.undo()
+    assert pt2e.head_rows(model.config, CONTEXT) == max(1, pt2e.HEAD_CALL_BYTES // (4 * CONTEXT * 256))

@@ -48,6 +48,7 @@ def onepass_batches(windows: CalibrationWindows, batch_size: int) -> list[torch.
 def calibrate_onepass(
     graph: GraphModule, cfg: ModelConfig, windows: CalibrationWindows, batch_size: int = 8,
     progress: Progress | None = None, *, hidden: list[torch.Tensor] | None = None, keep: bool = False,
+    rows: int | None = None,
 ) -> list[torch.Tensor] | None:
     """Run the observed calibrate graph (dynamic B, T) on whole windows, ``batch_size`` per
     forward, then the tail as its own shorter forward: no padded position reaches an observer.
@@ -57,21 +58,37 @@ def calibrate_onepass(
     A part of the model (:func:`npuq.calibrate.graphs.part_graph`) takes ``hidden``, the hidden
     states of each forward (:func:`onepass_batches`) that the part before it returned, instead
     of the token ids, and caches for its own layers; ``keep``: return what each forward
-    returned first (the hidden states the next part takes)."""
+    returned first (the hidden states the next part takes).
+
+    ``rows``: run each forward as calls of at most that many windows (the part that holds the
+    head, whose logits are windows × context × vocabulary floats: 0.31 GB a window at 512
+    tokens of a 152k vocabulary). Every op of the graph computes each window on its own and the
+    observers keep a running min/max, so the encodings are the same; what a forward returns
+    (``keep``) is its calls' results joined."""
     batches = onepass_batches(windows, batch_size)
     if hidden is not None and len(hidden) != len(batches):
         raise ValueError(f"{len(hidden)} hidden-state batches for {len(batches)} forwards")
+    if rows is not None and rows < 1:
+        raise ValueError(f"rows {rows}: a call takes at least one window")
     n_caches = len(graph_inputs(graph)) - 3
     kept = []
     with torch.no_grad():
         for j, tokens in enumerate(batches):
             T = tokens.shape[1]
-            caches = empty_caches(cfg, tokens.shape[0], tokens.device, n_caches // 2) if n_caches else ()
-            _, mask, positions = step_inputs(cfg, tokens, 0, T)
-            out = graph(tokens if hidden is None else hidden[j], mask, positions, *caches)
-            check_observers(graph)
+            x = tokens if hidden is None else hidden[j]
+            step = len(tokens) if rows is None else rows
+            outs = []
+            for i in range(0, len(tokens), step):
+                chunk = tokens[i : i + step]
+                caches = empty_caches(cfg, chunk.shape[0], chunk.device, n_caches // 2) if n_caches else ()
+                _, mask, positions = step_inputs(cfg, chunk, 0, T)
+                out = graph(x if step >= len(tokens) else x[i : i + step], mask, positions, *caches)
+                check_observers(graph)
+                if keep:
+                    outs.append(out[0])
+                del out
             if keep:
-                kept.append(out[0])
+                kept.append(outs[0] if len(outs) == 1 else torch.cat(outs))
             if progress:
                 progress(tokens.numel())
     return kept if keep else None

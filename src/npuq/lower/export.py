@@ -60,6 +60,7 @@ from npuq.lower.registry import EMBEDDING_NOTE, LowerOptions
 from npuq.lower.shards import HIDDEN_PREFIX, ExternalData, ShardBuilder, part_io_names, part_prefix, plan_shards
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.models import load_tokenizer
+from npuq.resources import release_freed_memory
 from npuq.quantize.artifact import load_program, program_path, read_artifact, weights_path
 from npuq.records import optional_key, to_json
 from npuq.resources import check_free_disk
@@ -480,6 +481,10 @@ def _merge_parts(artifact: Path, config, kind: str, shard_parts: range, io: tupl
             docs.append(loadable_encodings(part.model, found))
             builder.keep(part)
         del part
+        # A part's program and lowering hold reference cycles: without a collection its weights
+        # (and the mapping of its weights file) outlived it until Python's collector ran, every few
+        # parts, so Qwen2.5-Coder-1.5B's export held four or five parts at once (4.55 GiB).
+        release_freed_memory()
         bar.update()
     return builder.finish(*io), entries, docs
 
@@ -489,7 +494,8 @@ def _lower(artifact: Path, config, kind: str, part: int, target: Target, options
     """Program ``kind`` of part ``part`` of the artifact, lowered (its caches and the hidden
     states at a part's ends carried as quantized codes)."""
     with _timed(phases, "load"):
-        program = load_program(program_path(artifact, config, kind, part))
+        # 16-bit codes as stored (uint16), not widened to int32: the lowering writes them as uint16
+        program = load_program(program_path(artifact, config, kind, part), narrow=True)
     with _timed(phases, "lower"):
         return lower_program(program, target, options.lower_options(), in_names, out_names, is_carried,
                              graph_name=graph_name, log_warnings=False)

@@ -37,6 +37,7 @@ from npuq.errors import NpuqError
 from npuq.lower.builders.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, encoding_of
 from npuq.lower.qparams import Encoding
 from npuq.lower.builders import select
+from npuq.quantize.graphfile import NARROWED
 from npuq.lower.ir import Initializer, Lowered, NodeView, Note, Unsupported, Value
 from npuq.lower.manifest import IOEncoding, IOEntry
 from npuq.lower.patterns import RMS_NORM_OP, match_patterns
@@ -245,6 +246,8 @@ def lower_program(
     ctx = BuildContext(target, options or LowerOptions())
     wants_quantized = quantized_io if callable(quantized_io) else frozenset(quantized_io).__contains__
     graph, get_attr = _program_graph(program)
+    narrowed = getattr(program, "meta", {}).get(NARROWED, frozenset()) if isinstance(program, torch.fx.GraphModule) \
+        else frozenset()
 
     env: dict[torch.fx.Node, Any] = {}
     nodes: list[onnx.NodeProto] = []
@@ -270,8 +273,17 @@ def lower_program(
         tensor = get_attr(node.target)
         if isinstance(tensor, torch.Tensor):
             array = tensor.detach().cpu().numpy()
+            dtype = tensor.dtype
+            if node.target in narrowed:
+                # 16-bit codes read narrow (npuq.quantize.graphfile.read_program): a dequantize
+                # takes them as they are (it casts its codes to the format's type, uint16); any
+                # other reader gets the int32 the program holds
+                dtype = torch.int32
+                if not node.users or not all(u.op == "call_function" and _op_name(u) in DEQUANTIZE_OPS
+                                             for u in node.users):
+                    array = array.astype(np.int32)
             consts[node.name] = array
-            env[node] = Value(node.name, tuple(array.shape), ONNX_OF_TORCH.get(tensor.dtype, TensorProto.FLOAT), const=array)
+            env[node] = Value(node.name, tuple(array.shape), ONNX_OF_TORCH.get(dtype, TensorProto.FLOAT), const=array)
 
     fused = match_patterns(graph)
     internal = {n for m in fused.values() for n in m.internal}

@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 from npuq.errors import NpuqError
 from npuq.lower.ir import Note
 from npuq.lower.onnx_writer import IR_VERSION, IOSpec, LoweredGraph
+from npuq.partition import fewest_runs, min_max_split
 
 # A QNN HTP context holds at most 4 GB (ExecuTorch's Qualcomm LLM README: "4 GB per context",
 # use more shards). A shard's weights are kept under 3.5 GiB, leaving room for its graph and
@@ -59,45 +60,6 @@ def part_io_names(first: int, end: int, num_layers: int) -> tuple[list[str], lis
     return inputs, outputs
 
 
-def _min_max_split(sizes: Sequence[int], count: int) -> tuple[tuple[int, int], ...]:
-    """``count`` runs of consecutive items whose largest sum is as small as possible, as
-    (start, end) index pairs."""
-    n = len(sizes)
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-
-    def runs(cap: int) -> list[tuple[int, int]] | None:  # greedy: the fewest runs of sum <= cap
-        out, start = [], 0
-        for i in range(n):
-            if sizes[i] > cap:
-                return None
-            if prefix[i + 1] - prefix[start] > cap:
-                out.append((start, i))
-                start = i
-        out.append((start, n))
-        return out
-
-    lo, hi = max(sizes), prefix[-1]
-    while lo < hi:  # the smallest cap that `count` runs can keep
-        mid = (lo + hi) // 2
-        r = runs(mid)
-        if r is not None and len(r) <= count:
-            hi = mid
-        else:
-            lo = mid + 1
-    found = runs(lo)
-    assert found is not None
-    # Fewer runs than asked (a cap some runs meet with room to spare): split the largest runs of
-    # several items until there are ``count``; no run grows, so the cap still holds.
-    while len(found) < count:
-        i = max((j for j, (a, b) in enumerate(found) if b - a > 1), key=lambda j: prefix[found[j][1]] - prefix[found[j][0]])
-        a, b = found[i]
-        cut = min(range(a + 1, b), key=lambda c: max(prefix[c] - prefix[a], prefix[b] - prefix[c]))
-        found[i : i + 1] = [(a, cut), (cut, b)]
-    return tuple(found)
-
-
 def plan_shards(part_bytes: Sequence[int], shards: int | str, limit: int = SHARD_BYTES) -> tuple[tuple[int, int], ...]:
     """The artifact's parts (their weight bytes, in order) grouped into shards, as (first part,
     end part) pairs. ``shards``: a count (at most one shard per part), or ``"auto"``: the fewest
@@ -110,16 +72,14 @@ def plan_shards(part_bytes: Sequence[int], shards: int | str, limit: int = SHARD
             raise NpuqError(f"part {k + 1} of the artifact holds {part_bytes[k] / 2**30:.2f} GiB of weights, over the "
                             f"{limit / 2**30:.2f} GiB a shard may hold (one QNN HTP context): quantize again with more "
                             "--parts, so that each part is smaller")
-        count = next(c for c in range(1, n + 1) if max(
-            sum(part_bytes[a:b]) for a, b in _min_max_split(part_bytes, c)) <= limit)
-        return _min_max_split(part_bytes, count)
+        return fewest_runs(part_bytes, limit)
     if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
         raise NpuqError(f"--shards {shards!r:.40}: give a whole number of at least 1, or auto")
     if shards > n:
         raise NpuqError(f"--shards {shards}: the artifact holds {n} part{'s' * (n != 1)}, and a shard is one or more "
                         f"whole parts; quantize again with --parts {shards} (or more), or export with --shards {n} "
                         "or fewer")
-    return _min_max_split(part_bytes, shards)
+    return min_max_split(part_bytes, shards)
 
 
 class ExternalData:

@@ -21,7 +21,7 @@ from npuq.models.weights import Checkpoint
 from npuq.resources import USABLE_FRACTION, available_memory, gib
 
 __all__ = ["BUILTINS", "LoadedModel", "ModelConfig", "StaticDecoder", "StreamedDecoder", "load_model", "build_decoder",
-           "model_info", "open_streamed"]
+           "model_info", "open_streamed", "layer_bytes"]
 
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -69,6 +69,23 @@ def model_sizes(cfg: ModelConfig) -> tuple[int, int]:
     tied = cfg.tie_word_embeddings
     parameters = sum(p.numel() for n, p in skeleton.named_parameters() if n != "lm_head.weight" or not tied)
     return parameters, sum(p.numel() for p in skeleton.parameters()) * 4
+
+
+def layer_bytes(cfg: ModelConfig) -> list[int]:
+    """Bytes of the float32 StaticDecoder's parameters by decoder layer, the embedding table
+    counted with the first layer and the final norm and lm head (always its own copy) with the
+    last: what each part of a model quantized in parts holds (:meth:`StreamedDecoder.part_names`).
+    They sum to ``model_sizes(cfg)[1]``; nothing is allocated."""
+    with torch.device("meta"):
+        skeleton = StaticDecoder(cfg, 1)
+    sizes = [0] * cfg.num_layers
+    for name, p in skeleton.named_parameters():
+        if name.startswith("layers."):
+            layer = int(name.split(".")[1])
+        else:
+            layer = 0 if name.startswith("embed_tokens.") else cfg.num_layers - 1
+        sizes[layer] += p.numel() * 4
+    return sizes
 
 
 @dataclass(frozen=True)

@@ -388,14 +388,17 @@ def weights_path(folder: str | os.PathLike, config: ArtifactConfig, part: int = 
     return resolve_inside(folder, _inside(config, config.weights, part), f"--artifact {folder}, weights")
 
 
-def load_program(path: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> GraphModule:
+def load_program(path: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None, *,
+                 narrow: bool = False) -> GraphModule:
     """A program saved by :func:`save_artifact`: a static GraphModule taking (tokens, mask,
     positions, K caches, V caches) and returning (logits, K news, V news), with every node's
     ``meta["val"]`` (shape and dtype). Built from checked data only (see
     :mod:`npuq.quantize.graphfile`); ``tensors``: the artifact's weights, already read
-    (:func:`npuq.quantize.graphfile.read_weights`), to share them between programs."""
+    (:func:`npuq.quantize.graphfile.read_weights`), to share them between programs; ``narrow``:
+    16-bit codes stay the uint16 they are stored as, for the lowering only
+    (:func:`npuq.quantize.graphfile.read_program`)."""
     try:
-        return read_program(Path(path), tensors)
+        return read_program(Path(path), tensors, narrow=narrow)
     except NpuqError:
         raise
     except Exception as exc:  # a damaged file must not surface as a traceback

@@ -57,6 +57,7 @@ _MEMORY_FORMATS = {str(m).removeprefix("torch."): m for m in (
     torch.contiguous_format, torch.preserve_format, torch.channels_last, torch.channels_last_3d)}
 _LAYOUTS = {"strided": torch.strided}
 MAX_NODES = 2_000_000
+NARROWED = "npuq_narrowed"  # GraphModule.meta key: the get_attr targets of int32 tensors left uint16 (narrow=True)
 MAX_DIMS = 16
 
 
@@ -277,7 +278,7 @@ def _meta_val(val: Any, where: str) -> torch.Tensor:
     return torch.empty(val[0], dtype=_DTYPES[val[1]], device="meta")
 
 
-def build_program(data: Any, tensors: dict[str, torch.Tensor], where: str) -> GraphModule:
+def build_program(data: Any, tensors: dict[str, torch.Tensor], where: str, *, narrow: bool = False) -> GraphModule:
     """The GraphModule of a program's JSON (already parsed) over ``tensors`` (a weights file's
     content, shared by every program built from it: tensors stored narrow are widened in the
     dict itself, once)."""
@@ -289,6 +290,7 @@ def build_program(data: Any, tensors: dict[str, torch.Tensor], where: str) -> Gr
     if not isinstance(nodes, list) or not isinstance(table, dict) or not 0 < len(nodes) <= MAX_NODES:
         raise GraphFileError(f"{where}: 'nodes' and 'tensors' must be a list and an object; {again}")
     root = torch.nn.Module()
+    narrowed: set[str] = set()
     for target, entry in table.items():
         if not isinstance(target, str) or not _TARGET.match(target) or not isinstance(entry, dict):
             raise GraphFileError(f"{where}: tensor entry {target!r:.60} is not a dotted name with a key; {again}")
@@ -300,7 +302,10 @@ def build_program(data: Any, tensors: dict[str, torch.Tensor], where: str) -> Gr
         if t.dtype != _DTYPES[dtype]:
             if not (t.dtype == torch.uint16 and dtype == "int32"):
                 raise GraphFileError(f"{where}: tensor {target} is stored as {t.dtype}, not {dtype}; {again}")
-            t = tensors[key] = t.to(torch.int32)  # widened once: later programs share it
+            if narrow:
+                narrowed.add(target)
+            else:
+                t = tensors[key] = t.to(torch.int32)  # widened once: later programs share it
         owner = root
         *path, attr = target.split(".")
         for atom in path:
@@ -368,18 +373,24 @@ def build_program(data: Any, tensors: dict[str, torch.Tensor], where: str) -> Gr
     if outputs != 1:
         raise GraphFileError(f"{where}: the graph has no output; {again}")
     try:
-        return GraphModule(root, graph)
+        gm = GraphModule(root, graph)
     except Exception as exc:  # FX refuses a graph it cannot generate code for
         raise GraphFileError(f"{where}: not a valid program ({type(exc).__name__}: {exc}); {again}") from None
+    if narrowed:
+        gm.meta[NARROWED] = frozenset(narrowed)
+    return gm
 
 
-def read_program(path: Path, tensors: dict[str, torch.Tensor] | None = None) -> GraphModule:
+def read_program(path: Path, tensors: dict[str, torch.Tensor] | None = None, *, narrow: bool = False) -> GraphModule:
     """The program in ``path``, over ``tensors`` (the content of its weights file; read from the
-    file the program names, inside the same folder, when None)."""
+    file the program names, inside the same folder, when None). ``narrow``: int32 tensors stored
+    as uint16 stay uint16 (half the memory, and no copy of the file's bytes), for a reader that
+    only looks at the values, such as the lowering (:func:`npuq.lower.onnx_writer.lower_program`
+    widens what needs it); the program must then not be run."""
     path = Path(path)
     data = read_json(path, f"program {path}", "quantize again")
     if tensors is None:
         if not isinstance(data, dict) or not isinstance(data.get("weights"), str):
             raise GraphFileError(f"{path}: no weights file named; quantize again")
         tensors = read_weights(resolve_inside(path.parent, data["weights"], f"{path}, weights"))
-    return build_program(data, tensors, str(path))
+    return build_program(data, tensors, str(path), narrow=narrow)

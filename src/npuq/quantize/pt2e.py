@@ -56,7 +56,7 @@ from npuq.quant.observers import name_observers, pin_weight_scales
 from npuq.quant.quantizer import HtpQuantizer, model_layers
 from npuq.quant.recipe import Recipe, RecipePlan
 from npuq.quantize.passes import convert, specialize
-from npuq.resources import available_memory, guard_calibration_batch
+from npuq.resources import available_memory, guard_calibration_batch, release_freed_memory
 from npuq.runtime.runner import PartChain, example_inputs, run_programs
 from npuq.threads.scope import scope_or_keep
 
@@ -295,6 +295,7 @@ def quantize_model(
                         "to quantize in parts or streamed")
     if streamed and weight_scales:
         raise NpuqError("SeqMSE/GPTQ scales need the whole model loaded: they are not made for a streamed model")
+    parted = len(layers) > 1 or streamed
     timings = dict.fromkeys(("export", "prepare", "calibration", "convert", "read"), 0.0)
     start = time.perf_counter()
 
@@ -330,8 +331,9 @@ def quantize_model(
                             if k == 0:
                                 batch_size = guard_calibration_batch(cfg, context, batch_size,
                                                                      available_memory(device)).batch
+                            rows = head_rows(cfg, context) if end == cfg.num_layers and parted else None
                             hidden = calibrate_onepass(observed, cfg, data, batch_size, update, hidden=hidden,
-                                                       keep=end < cfg.num_layers)
+                                                       keep=end < cfg.num_layers, rows=rows)
                         else:
                             calibrate_sequential(observed, cfg, data, context, update)
                     finally:
@@ -343,12 +345,15 @@ def quantize_model(
                     part = _convert_part(prepared, cfg, (first, end), context, prefill_len, widened_all)
                     del prepared
                 if store is not None:
+                    if len(layers) > 1:  # the float weights, held by torch's caches and the prepared graph's
+                        forget_graphs()  # cycles, go before the programs are written (0.47 GB of uint16
+                        gc.collect()  # copies of Qwen2.5-1.5B's 16-bit table): the part's peak is its convert
                     store(k, part)
                     part = QuantizedPart(part.layers, part.encodings)  # its programs are written: let them go
                 done_parts.append(part)
                 forget_graphs()
                 if len(layers) > 1:  # graphs hold cycles: without a collection their weights outlive the part
-                    gc.collect()
+                    release_freed_memory()
                 timings["convert"] += time.perf_counter() - t2
         finally:
             if bar is not None:
@@ -389,6 +394,17 @@ def quantize_model(
                 for kind in ("decode", "prefill", "scoring")}
     return QuantizedModel(cfg, context, prefill_len, programs["decode"], programs["prefill"], encodings, recipe, plan,
                           stats, programs["scoring"], parts=tuple(p.layers for p in done_parts))
+
+
+HEAD_CALL_BYTES = 1 << 29  # the most the logits of one calibration call take, quantizing in parts
+
+
+def head_rows(cfg: ModelConfig, context: int) -> int:
+    """Windows per calibration call of the part that holds the head, when quantizing in parts:
+    as many as keep their float32 logits (context × vocabulary × 4 bytes a window) within
+    HEAD_CALL_BYTES, one at least. A batch of 8 windows of Qwen2.5's 152k vocabulary is 2.5 GB
+    of logits, which set the peak of a 1.5B model quantized in parts (docs/design.md §13)."""
+    return max(1, HEAD_CALL_BYTES // (4 * context * cfg.vocab_size))
 
 
 def check_parts(parts: Sequence[tuple[int, int]] | None, num_layers: int) -> tuple[tuple[int, int], ...]:

@@ -8,7 +8,6 @@ whole record.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -19,13 +18,14 @@ from npuq.calibrate.split import split_windows
 from npuq.data.corpora import CALIB_CORPUS, corpus_tokens, load_corpus, replaced_characters
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
-from npuq.models import load_model, model_config, model_sizes, open_streamed
+from npuq.models import layer_bytes, load_model, model_config, open_streamed
 from npuq.models.stream import StreamedDecoder
 from npuq.optimize.budget import BudgetReport, budget_recipe, check_budget_base
 from npuq.optimize.driver import RecoveryOptions
 from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.recovery import RoundingSummary, SeqMseSummary, optimize_for_recipe
 from npuq.optimize.rotate import rotate_model, rotate_streamed
+from npuq.partition import fewest_runs
 from npuq.quant.recipe import ROTATE_CHOICES, load_recipe
 from npuq.quant.size import WeightSize, model_weights, recipe_size
 from npuq.quantize.artifact import ArtifactExtra, ModelInfo, check_destination, start_weights_sha256, writing_artifact
@@ -167,24 +167,33 @@ def check_quantize(options: QuantizeOptions) -> Any:
     return recipe, load_corpus(options.calib_corpus, "calib")  # an empty or missing corpus fails here
 
 
-PART_BYTES = 1 << 30  # the most one part's float32 weights take (a Qwen2.5-7B block: 0.93 GB)
+PART_BYTES = 1 << 30  # the most one part's float32 weights take by default (a Qwen2.5-7B block: 0.93 GB)
 WHOLE_FACTOR = 2.5  # peak memory of quantizing the whole model / its float32 weights (measured below)
 
 
-def auto_parts(cfg: Any, available: int | None = None) -> int:
-    """Parts to quantize a model of config ``cfg`` in, given ``available`` bytes of memory
-    (default: what this process may use now). One (the whole model, loaded) where it fits
-    WHOLE_FACTOR times its float32 weights: Qwen2.5-Coder-0.5B, 2.5 GB of float32 weights as
-    npuq holds them, peaked at 4.7 GB quantizing 16a8w with 1024 tokens, context 512. Otherwise
-    the fewest parts of even depth whose float32 weights take at most PART_BYTES each (or a
-    quarter of the usable memory, if less), streamed: a part's peak is a few times its weights
-    (read, rotated, observed, converted, written), so the run's peak stays near one part's,
-    whatever the model's size (docs/design.md §13)."""
+def auto_parts(cfg: Any, available: int | None = None, *, whole: bool = False) -> tuple[tuple[int, int], ...]:
+    """The (first, end) layers of each part ``npuq quantize`` takes without ``--parts``, for a
+    model of config ``cfg`` given ``available`` bytes of memory (default: what this process may
+    use now); docs/design.md §13.
+
+    One part, the whole model loaded (the flow and the artifact of a model of one part), where
+    its float32 weights take at most PART_BYTES and WHOLE_FACTOR times them fit the usable
+    memory (Qwen2.5-Coder-0.5B, 2.5 GB of float32 weights as npuq holds them, peaked at 4.7 GB
+    quantizing 16a8w whole), or where ``whole`` (the run needs the whole model: SeqMSE/GPTQ, a
+    size budget, sequential calibration) and it fits. Otherwise parts, streamed: the fewest runs
+    of layers whose float32 weights take at most PART_BYTES each (a quarter of the usable memory
+    where that is less), the embedding table counted with the first part and the final norm
+    and head with the last, as even as that count allows; a part holding a table larger than
+    the limit less one layer is that table and one layer. A part's peak is its float32 weights
+    and their integer codes (at most as large) over what the process holds anyway, so the run's
+    peak stays near one part's, whatever the model's size or the memory to spare: the layout
+    depends on the model alone wherever the memory allows PART_BYTES parts."""
     usable = USABLE_FRACTION * (available_memory() if available is None else available)
-    weights = model_sizes(cfg)[1]
-    if WHOLE_FACTOR * weights <= usable:
-        return 1
-    return max(2, min(cfg.num_layers, math.ceil(weights / min(PART_BYTES, usable / 4))))
+    sizes = layer_bytes(cfg)
+    weights = sum(sizes)
+    if WHOLE_FACTOR * weights <= usable and (weights <= PART_BYTES or whole):
+        return ((0, cfg.num_layers),)
+    return fewest_runs(sizes, int(min(PART_BYTES, usable / 4)))
 
 
 def quantize_to_artifact(
@@ -206,19 +215,23 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     recipe, documents = check_quantize(o)
     max_context = o.context if o.context > 4096 else None
     cfg = model_config(o.model, max_context)
-    parts = o.parts or auto_parts(cfg)
+    # SeqMSE/GPTQ, a size budget and sequential calibration run on the whole model's forward
+    needs_whole = o.recovery is not None or o.bits_per_weight is not None or o.calibration_mode != "onepass"
+    layout = None if o.parts else auto_parts(cfg, whole=needs_whole)
+    parts = o.parts or len(layout)
     if parts > 1:
-        whole = "" if o.parts else (f"it does not fit this machine's memory whole, so it is quantized in {parts} parts, "
-                                    "and ")
+        why = "" if o.parts else (f"it does not fit this machine's memory whole, so it is quantized in {parts} parts, "
+                                  "and ")
         steps = [(what, fix) for what, fix, on in (
             ("SeqMSE/GPTQ", "drop --seq-mse / --weight-rounding", o.recovery is not None),
             ("a size budget", "drop --bits-per-weight", o.bits_per_weight is not None),
             ("sequential calibration", "use --calibration-mode onepass", o.calibration_mode != "onepass")) if on]
         if steps:
-            raise NpuqError(f"{o.model}: {whole}a model quantized in parts takes one-pass calibration without "
+            raise NpuqError(f"{o.model}: {why}a model quantized in parts takes one-pass calibration without "
                             f"{' or '.join(what for what, _ in steps)} for now: {'; '.join(fix for _, fix in steps)}")
     if parts > cfg.num_layers:
         raise NpuqError(f"--parts {parts}: the model has {cfg.num_layers} layers, so at most {cfg.num_layers} parts")
+    layout = layout or even_parts(cfg.num_layers, parts)
     loaded = (open_streamed if parts > 1 else load_model)(o.model, max_context=max_context)
     if o.context > loaded.config.max_position_embeddings:
         raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
@@ -257,7 +270,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         qm = quantize_model(
             loaded.model, recipe, tokens, context=o.context, mode=o.calibration_mode, prefill_len=o.prefill_len,
             batch_size=o.batch_size, num_threads=ctx.threads(o.phase), progress=ctx.progress,
-            weight_scales=weight_scales, device=ctx.device, parts=even_parts(cfg.num_layers, parts), store=writer.store,
+            weight_scales=weight_scales, device=ctx.device, parts=layout, store=writer.store,
         )
         saving = time.perf_counter()
         replaced = replaced_characters(documents)
