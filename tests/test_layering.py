@@ -26,7 +26,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "npuq"
 
 # bottom to top; one package (or top-level module) per entry of a layer
 LAYERS = (
-    ("errors", "__init__"),              # the one error type users see, the version
+    ("errors", "__init__", "partition"),  # the one error type users see, the version; balanced splits
     ("fsio", "records"),                 # atomic files and folders, safe readers; records as JSON
     ("device", "resources", "threads"),  # where work runs: device, memory/disk guards, thread plans
     ("models", "data"),                  # model sources, config, static decoder; corpora and windows

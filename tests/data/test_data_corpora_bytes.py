@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npuq.data.corpora import decode_utf8, load_corpus, replaced_characters
+from npuq.data.corpora import load_corpus, replaced_characters
+from npuq.data.document import decode_utf8
 
 _errors: list[int] = []
 

@@ -26,7 +26,7 @@ import sysconfig
 import warnings
 from pathlib import Path
 
-from npuq.data.document import Document
+from npuq.data.document import Document, decode_utf8
 from npuq.errors import NpuqError
 
 MODULES = (
@@ -55,8 +55,6 @@ def code_documents(split: str, root: Path | None = None) -> list[Document]:
     """The modules of ``split`` found under ``root`` (the running Python's standard library),
     sorted by id. A module the installation lacks is left out with a warning; none at all is an
     NpuqError (a Python shipped without its .py sources, such as an embedded one)."""
-    from npuq.data.corpora import decode_utf8  # corpora imports this module
-
     root = stdlib_folder() if root is None else root
     docs, missing = [], []
     for path in sorted(MODULES):

@@ -38,7 +38,7 @@ from pydoc_data.topics import topics
 from typing import Any
 
 from npuq.data.code import code_documents
-from npuq.data.document import Document
+from npuq.data.document import Document, decode_utf8
 from npuq.data.prose import prose_documents
 from npuq.errors import NpuqError
 
@@ -121,22 +121,6 @@ def builtin_documents(split: str) -> list[Document]:
 
 
 # --------------------------------------------------------------------------- file:PATH
-REPLACEMENT = "\ufffd"
-
-
-def decode_utf8(data: bytes) -> tuple[str, int]:
-    """(text, replaced): ``data`` decoded as UTF-8 with every undecodable byte sequence read as
-    U+FFFD, and how many there were.
-
-    Python's "replace" handler writes one U+FFFD per maximal invalid subsequence; a valid
-    EF BF BD in the input (a literal U+FFFD) always decodes as one, and its lead byte EF can
-    never be swallowed by an invalid sequence before it (EF is not a continuation byte), so
-    the difference of the two counts is exact.
-    """
-    text = data.decode("utf-8", errors="replace")
-    return text, text.count(REPLACEMENT) - data.count(REPLACEMENT.encode("utf-8"))
-
-
 def file_documents(path_text: str) -> list[Document]:
     """A .txt file is one document, a .jsonl file one document per ``{"text": ...}`` line.
 

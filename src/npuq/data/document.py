@@ -5,6 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+REPLACEMENT = "\ufffd"
+
+
+def decode_utf8(data: bytes) -> tuple[str, int]:
+    """(text, replaced): ``data`` decoded as UTF-8 with every undecodable byte sequence read as
+    U+FFFD, and how many there were.
+
+    Python's "replace" handler writes one U+FFFD per maximal invalid subsequence; a valid
+    EF BF BD in the input (a literal U+FFFD) always decodes as one, and its lead byte EF can
+    never be swallowed by an invalid sequence before it (EF is not a continuation byte), so
+    the difference of the two counts is exact.
+    """
+    text = data.decode("utf-8", errors="replace")
+    return text, text.count(REPLACEMENT) - data.count(REPLACEMENT.encode("utf-8"))
+
 
 @dataclass(frozen=True)
 class Document:
