@@ -180,7 +180,6 @@ def available_memory(device=None) -> int:
     return min(candidates) if candidates else UNLIMITED
 
 
-# --------------------------------------------------------------------------- disk
 def release_freed_memory() -> None:
     """Collect garbage (graphs hold reference cycles: their tensors outlive them until a
     collection), then hand the C allocator's free pages back to the system (glibc's
@@ -204,6 +203,7 @@ def _malloc_trim():
         return None
 
 
+# --------------------------------------------------------------------------- disk
 def _existing(path: Path) -> Path:
     path = path.absolute()
     while not path.exists() and path != path.parent:

@@ -82,7 +82,7 @@ def calibrate_onepass(
                 chunk = tokens[i : i + step]
                 caches = empty_caches(cfg, chunk.shape[0], chunk.device, n_caches // 2) if n_caches else ()
                 _, mask, positions = step_inputs(cfg, chunk, 0, T)
-                out = graph(x if step >= len(tokens) else x[i : i + step], mask, positions, *caches)
+                out = graph(x[i : i + step], mask, positions, *caches)
                 check_observers(graph)
                 if keep:
                     outs.append(out[0])

@@ -21,12 +21,11 @@ name the Python version they used.
 
 from __future__ import annotations
 
-import hashlib
 import sysconfig
 import warnings
 from pathlib import Path
 
-from npuq.data.document import Document, decode_utf8
+from npuq.data.document import Document, decode_utf8, hash_split
 from npuq.errors import NpuqError
 
 MODULES = (
@@ -39,12 +38,6 @@ MODULES = (
     "selectors.py", "shlex.py", "statistics.py", "tabnanny.py", "tempfile.py", "textwrap.py", "timeit.py",
     "traceback.py", "types.py", "uuid.py", "wave.py", "weakref.py", "zipapp.py",
 )
-
-
-def code_split_of(path: str) -> str:
-    """"calib" or "eval" for a module's path under the standard library ("json/decoder.py"):
-    the first byte of its SHA-256 decides."""
-    return "calib" if hashlib.sha256(path.encode("utf-8")).digest()[0] % 2 == 0 else "eval"
 
 
 def stdlib_folder() -> Path:
@@ -63,7 +56,7 @@ def code_documents(split: str, root: Path | None = None) -> list[Document]:
         except OSError:
             missing.append(path)
             continue
-        if code_split_of(path) == split:
+        if hash_split(path) == split:
             text, replaced = decode_utf8(data)
             if text.strip():
                 docs.append(Document(f"code/{path}", text, replaced=replaced))

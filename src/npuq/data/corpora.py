@@ -27,7 +27,6 @@ A corpus is named by a spec string:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import re
@@ -38,7 +37,7 @@ from pydoc_data.topics import topics
 from typing import Any
 
 from npuq.data.code import code_documents
-from npuq.data.document import Document, decode_utf8
+from npuq.data.document import Document, decode_utf8, hash_split
 from npuq.data.prose import prose_documents
 from npuq.errors import NpuqError
 
@@ -108,8 +107,8 @@ def replaced_characters(docs: list[Document]) -> int:
 
 # --------------------------------------------------------------------------- builtin
 def builtin_split_of(topic: str) -> str:
-    """"calib" or "eval": the first byte of SHA-256(topic) decides (Python's hash() is salted)."""
-    return "calib" if hashlib.sha256(topic.encode("utf-8")).digest()[0] % 2 == 0 else "eval"
+    """"calib" or "eval" for a topic (:func:`npuq.data.document.hash_split`)."""
+    return hash_split(topic)
 
 
 def builtin_documents(split: str) -> list[Document]:

@@ -3,9 +3,17 @@ npuq.data.prose) and perplexity scores."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 REPLACEMENT = "\ufffd"
+
+
+def hash_split(key: str) -> str:
+    """"calib" or "eval" for a document's stable key (a topic name, a module path): the first
+    byte of SHA-256(key) decides (Python's hash() is salted), so the split is the same on every
+    machine."""
+    return "calib" if hashlib.sha256(key.encode("utf-8")).digest()[0] % 2 == 0 else "eval"
 
 
 def decode_utf8(data: bytes) -> tuple[str, int]:

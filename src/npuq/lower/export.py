@@ -60,10 +60,9 @@ from npuq.lower.registry import EMBEDDING_NOTE, LowerOptions
 from npuq.lower.shards import HIDDEN_PREFIX, ExternalData, ShardBuilder, part_io_names, part_prefix, plan_shards
 from npuq.lower.target import Target, arch_of_soc, parse_htp_arch, parse_version, resolve_target
 from npuq.models import load_tokenizer
-from npuq.resources import release_freed_memory
 from npuq.quantize.artifact import load_program, program_path, read_artifact, weights_path
 from npuq.records import optional_key, to_json
-from npuq.resources import check_free_disk
+from npuq.resources import check_free_disk, release_freed_memory
 
 ENCODINGS_FILE = "encodings.json"  # AIMET 1.0.0 (the artifact's npuq-internal encodings.json is another format)
 GRAPH_ENCODINGS_FILE = "{kind}.encodings.json"  # one graph's, as AIMET's QDQ importer names the tensors

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -108,12 +108,12 @@ def check_io(cfg: ModelConfig, kind: str, specs: Sequence[IOEntry], cache: str) 
     """Refuse a graph whose inputs and outputs the cache contract (one of
     manifest.GENAI_CACHES, checked by ExportOptions) cannot feed (names the fix)."""
     names = {s.name: s for s in specs}
-    hidden = any(name.startswith("hidden_") for name in names)  # a shard's graph: hidden states in or out
-    for name in ("tokens", "logits", "mask", "positions", "k_cache_", "v_cache_", "k_new_", "v_new_"):
-        found = name in names or (name.endswith("_") and any(n.startswith(name) for n in names)) or \
-            (hidden and name in ("tokens", "logits"))
-        if not found:
-            raise NpuqError(f"--genai: the {kind} graph has no tensor {name!r}; export again with this npuq")
+    shard = any(name.startswith("hidden_") for name in names)  # takes or returns hidden states instead
+    missing = [n for n in ("tokens", "logits") if n not in names and not shard] + \
+              [n for n in ("mask", "positions") if n not in names] + \
+              [p for p in KV_PREFIXES if not any(n.startswith(p) for n in names)]
+    if missing:
+        raise NpuqError(f"--genai: the {kind} graph has no tensor {missing[0]!r}; export again with this npuq")
     if names["mask"].shape[1] != (2 if cfg.has_sliding_layers else 1) or \
             ("logits" in names and names["logits"].dtype != "float32"):
         raise NpuqError(f"--genai: the {kind} graph's mask or logits are not npuq's; export again with this npuq")
@@ -132,10 +132,10 @@ def check_io(cfg: ModelConfig, kind: str, specs: Sequence[IOEntry], cache: str) 
         raise NpuqError("--genai shared: a KV cache type this npuq cannot wrap; export again with this npuq")
 
 
-def pad_value(graphs: dict[str, Any]) -> int:
+def pad_value(graphs: Iterable[GraphEntry]) -> int:
     """The one value the windowed runtime fills empty slots with: the caches' common zero point
     (uint8 symmetric KV: 128); when the caches' zero points differ, the most common one."""
-    points = [int(s.encoding.zero_point) for g in graphs.values() for s in g.inputs
+    points = [int(s.encoding.zero_point) for g in graphs for s in g.inputs
               if s.name.startswith(("k_cache_", "v_cache_")) and s.encoding is not None]
     if not points:
         raise NpuqError("--genai windowed: the KV cache inputs carry no encoding; quantize again")
@@ -541,7 +541,7 @@ def pipeline_config(cfg: ModelConfig, context: int, cache: str, chains: dict[str
     if cache == "windowed":
         sliding: dict[str, Any] = {"window_size": window, "alignment": "right", "slide_inputs": True,
                                    "slide_key_value_cache": True,
-                                   "pad_value": pad_value({kind: chain_entry(c) for kind, c in chains.items()})}
+                                   "pad_value": pad_value(e for chain in chains.values() for e in chain)}
         names = {"input_ids": "tokens", "position_ids": "positions", "logits": "logits"}
     else:
         # The runtime calls the prompt stages ceil(n / window) times for an append of n > 1 tokens

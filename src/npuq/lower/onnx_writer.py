@@ -37,10 +37,10 @@ from npuq.errors import NpuqError
 from npuq.lower.builders.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, encoding_of
 from npuq.lower.qparams import Encoding
 from npuq.lower.builders import select
-from npuq.quantize.graphfile import NARROWED
 from npuq.lower.ir import Initializer, Lowered, NodeView, Note, Unsupported, Value
 from npuq.lower.manifest import IOEncoding, IOEntry
 from npuq.lower.patterns import RMS_NORM_OP, match_patterns
+from npuq.quantize.graphfile import NARROWED
 from npuq.lower.registry import BuildContext, LowerOptions
 from npuq.lower.target import Target
 from npuq.records import to_json
@@ -246,8 +246,7 @@ def lower_program(
     ctx = BuildContext(target, options or LowerOptions())
     wants_quantized = quantized_io if callable(quantized_io) else frozenset(quantized_io).__contains__
     graph, get_attr = _program_graph(program)
-    narrowed = getattr(program, "meta", {}).get(NARROWED, frozenset()) if isinstance(program, torch.fx.GraphModule) \
-        else frozenset()
+    narrowed = getattr(program, "meta", {}).get(NARROWED, frozenset())
 
     env: dict[torch.fx.Node, Any] = {}
     nodes: list[onnx.NodeProto] = []
