@@ -6,7 +6,6 @@ import torch
 from npuq.testing.tiny import tiny_decoder
 from npuq.optimize.driver import (
     WeightSpec,
-    collect_grams,
     RecoveryOptions,
     optimize_weights,
     sequential_groups,
@@ -25,22 +24,29 @@ def _windows(vocab, n=3, T=16, seed=0):
     return [torch.randint(0, vocab, (2, T), generator=g) for _ in range(n)]
 
 
-def test_grams_are_shared_by_layers_reading_the_same_input():
-    _, model = tiny_decoder("llama")
-    names = _linears(model)
-    windows = _windows(model.config.vocab_size)
-    group_of, grams = collect_grams(model, windows, names)
-    assert group_of["layers.0.self_attn.q_proj"] == group_of["layers.0.self_attn.k_proj"] == group_of["layers.0.self_attn.v_proj"]
-    assert group_of["layers.0.mlp.gate_proj"] == group_of["layers.0.mlp.up_proj"]
-    assert group_of["layers.0.self_attn.o_proj"] != group_of["layers.0.self_attn.q_proj"]
-    # Independent reference: the input of up_proj captured directly.
+def _forward_gram(model, name, windows):
+    """Reference: XᵀX of layer ``name``'s input, captured by a hook over whole forwards."""
     captured = []
-    h = model.layers[1].mlp.up_proj.register_forward_pre_hook(lambda m, a: captured.append(a[0].reshape(-1, a[0].shape[-1])))
+    h = dict(model.named_modules())[name].register_forward_pre_hook(
+        lambda m, a: captured.append(a[0].reshape(-1, a[0].shape[-1])))
     for w in windows:
         forward_logits(model, w)
     h.remove()
     x = torch.cat(captured).double()
-    assert torch.allclose(grams[group_of["layers.1.mlp.up_proj"]].double(), x.T @ x, rtol=1e-5, atol=1e-4)
+    return x.T @ x
+
+
+@pytest.mark.parametrize("inputs", ["float", "quantized"])
+def test_grams_are_shared_by_layers_reading_the_same_input(inputs):
+    _, model = tiny_decoder("llama")
+    names = _linears(model)
+    windows = _windows(model.config.vocab_size)
+    groups = {tuple(group): gram for group, gram in sequential_groups(model, windows, names, inputs)}
+    assert sorted(n for group in groups for n in group) == sorted(names)
+    assert ("layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj") in groups
+    assert ("layers.0.self_attn.o_proj",) in groups and ("layers.0.mlp.down_proj",) in groups
+    gram = groups[("layers.1.mlp.gate_proj", "layers.1.mlp.up_proj")]
+    assert torch.allclose(gram.double(), _forward_gram(model, "layers.1.mlp.up_proj", windows), rtol=1e-5, atol=1e-4)
 
 
 def test_optimized_weights_lie_on_the_grid_and_reduce_the_error():
@@ -74,13 +80,17 @@ def test_sequential_grams_equal_the_float_ones_while_nothing_is_rounded(arch):
     _, model = tiny_decoder(arch, seed=1)
     names = _linears(model)
     windows = _windows(model.config.vocab_size) + [torch.randint(0, model.config.vocab_size, (1, 7))]
-    group_of, grams = collect_grams(model, windows, names)
+    walked = list(sequential_groups(model, windows, names))
     order = []
-    for group, gram in sequential_groups(model, windows, names):
-        assert len({group_of[n] for n in group}) == 1
-        ref = grams[group_of[group[0]]].double()
+    for group, gram in walked:
+        ref = _forward_gram(model, group[0], windows)
         assert torch.allclose(gram.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), group
         order += group
+    # Float inputs, all of a block's groups from one run: nothing is rounded here, so the very same
+    # inputs and sums, bit for bit.
+    float_groups = list(sequential_groups(model, windows, names, "float"))
+    assert [g for g, _ in float_groups] == [g for g, _ in walked]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(float_groups, walked))
     assert sorted(order) == sorted(names)
     assert order[:4] == ["layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj",
                          "layers.0.self_attn.o_proj"] and order[-1] == "lm_head"
@@ -91,7 +101,8 @@ def test_sequential_grams_see_the_rounding_of_every_earlier_group():
     _, reference = tiny_decoder("llama", seed=3)
     names = _linears(model)
     windows = _windows(model.config.vocab_size)
-    group_of, float_grams = collect_grams(tiny_decoder("llama", seed=3)[1], windows, names)
+    float_grams = {group[0]: gram for group, gram in sequential_groups(tiny_decoder("llama", seed=3)[1], windows, names,
+                                                                        "float")}
     modules, ref_modules = dict(model.named_modules()), dict(reference.named_modules())
     seen = []
     for group, gram in sequential_groups(model, windows, names):
@@ -111,6 +122,6 @@ def test_sequential_grams_see_the_rounding_of_every_earlier_group():
             _rtn_(ref_modules[n])
     # The first group reads the embedding only: its Gram is the float one; every later group's is not.
     for i, (first, gram) in enumerate(seen):
-        fg = float_grams[group_of[first]]
+        fg = float_grams[first]
         rel = ((gram - fg).norm() / fg.norm()).item()
         assert (rel < 1e-6) if i == 0 else (rel > 1e-4), (first, rel)

@@ -20,6 +20,9 @@ from npuq.calibrate.graphs import export_model_graph, meta_model_graph, part_gra
 from npuq.cli import main
 from npuq.errors import NpuqError
 from npuq.models import load_model, open_streamed
+from npuq.optimize.driver import RecoveryOptions
+from npuq.optimize.recovery import PartRecovery
+from npuq.calibrate.split import split_windows
 from npuq.testing.tiny import TINY_CONFIGS, save_tiny_hf_folder, tiny_decoder
 from npuq.optimize.rotate import rotate_model, rotate_streamed
 from npuq.quant.recipe import load_recipe
@@ -204,8 +207,8 @@ def test_auto_parts_gives_a_large_embedding_table_a_part_with_one_layer(monkeypa
 def test_cli_quantizes_in_parts_and_eval_scores_the_artifact(tmp_path, capsys):
     folder = save_tiny_hf_folder(tmp_path / "llama", "llama", seed=5)
     common = ["quantize", "--model", str(folder), "--scheme", "16a8w", "--calib-tokens", "64", "--context", "16"]
-    assert main([*common, "--parts", "2", "--seq-mse", "4", "--num-threads", "1", "--out", str(tmp_path / "refused")]) == 2
-    assert "drop --seq-mse" in capsys.readouterr().err
+    assert main([*common, "--parts", "2", "--calibration-mode", "sequential", "--out", str(tmp_path / "refused")]) == 2
+    assert "use --calibration-mode onepass" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
     assert main([*common, "--parts", "2", "--out", str(tmp_path / "p2"), "--json", str(tmp_path / "p2.json")]) == 0
     result = json.loads((tmp_path / "p2.json").read_text())
@@ -265,3 +268,61 @@ def test_the_head_part_calibrates_a_window_at_a_time_with_the_same_encodings(mon
     assert _by_name(parts.encodings) == _by_name(whole.encodings)
     monkeypatch.undo()
     assert pt2e.head_rows(model.config, CONTEXT) == max(1, pt2e.HEAD_CALL_BYTES // (4 * CONTEXT * 256))
+
+
+@pytest.mark.parametrize("arch,scheme,rounding,inputs,r1", [
+    ("gemma3", "16a4w", "gptq", "quantized", False),
+    ("qwen2", "16a4w_block", "gptq", "quantized", False),
+    ("llama", "16a4w", "nearest", "float", True),
+])
+def test_seqmse_and_gptq_in_streamed_parts_equal_the_whole_model(arch, scheme, rounding, inputs, r1, calibration,
+                                                                 tmp_path):
+    """SeqMSE/GPTQ part by part (quantize_model's ``recover``) on a model streamed from disk one
+    layer per part: the walk hands each part the hidden states the part before returned, so
+    every layer's Gram, scales and codes are the whole model's, and so are the encodings and
+    the logits, bit for bit. Float layer inputs carry the float model's hidden states instead;
+    R1 folds into each part as it is read (the tied llama head untied)."""
+    folder = save_tiny_hf_folder(tmp_path / arch, arch, seed=4)
+    resident = load_model(str(folder), max_context=64)
+    streamed = open_streamed(str(folder), max_context=64)
+    if r1:
+        rotate_model(resident.model, seed=7, r1=True, r2=False)
+        rotate_streamed(streamed.model, seed=7, r1=True, r2=False)
+    L = resident.config.num_layers
+    recipe = load_recipe(None, scheme)
+    options = RecoveryOptions(seq_mse=8, weight_rounding=rounding, layer_inputs=inputs)
+    windows = split_windows(calibration, CONTEXT)
+    whole = PartRecovery(resident.model, recipe, windows, options, progress=False)
+    expected = quantize_model(resident.model, recipe, calibration, context=CONTEXT, batch_size=4, recover=whole)
+    parts = PartRecovery(streamed.model.skeleton, recipe, windows, options, progress=False)
+    got = quantize_model(streamed.model, recipe, calibration, context=CONTEXT, batch_size=4,
+                         parts=even_parts(L, L), recover=parts)
+    a, b = whole.optimizer.results, parts.optimizer.results
+    assert list(a) == list(b) and len(a) == 7 * L + 1  # every linear layer, the head included
+    for name in a:
+        assert torch.equal(a[name].scale, b[name].scale) and torch.equal(a[name].codes, b[name].codes), name
+    assert whole.summary().output_error_reduction == parts.summary().output_error_reduction > 0
+    assert _by_name(got.encodings) == _by_name(expected.encodings)
+    test = _tokens(resident.config.vocab_size, (2, 30), 5)
+    assert torch.equal(got.logits(test), expected.logits(test))
+
+
+def test_cli_quantizes_in_parts_with_gptq_as_it_does_whole(tmp_path):
+    """``npuq quantize --parts 2 --seq-mse --weight-rounding gptq`` streams the model and
+    recovers each part as it is read: the artifact's encodings and score are the whole run's."""
+    folder = save_tiny_hf_folder(tmp_path / "llama", "llama", seed=6)
+    common = ["quantize", "--model", str(folder), "--scheme", "16a4w", "--calib-tokens", "64", "--context", "16",
+              "--seq-mse", "4", "--weight-rounding", "gptq", "--num-threads", "1"]
+    results = {}
+    for parts in ("1", "2"):
+        out = tmp_path / f"p{parts}"
+        assert main([*common, "--parts", parts, "--out", str(out), "--json", str(tmp_path / f"p{parts}.json")]) == 0
+        results[parts] = json.loads((tmp_path / f"p{parts}.json").read_text())
+        assert main(["eval", "--artifact", str(out), "--context", "16", "--max-tokens", "64", "--num-threads", "1",
+                     "--json", str(tmp_path / f"e{parts}.json")]) == 0
+    assert results["2"]["streamed"] is True and results["1"]["streamed"] is False
+    assert results["1"]["weight_rounding"]["method"] == results["2"]["weight_rounding"]["method"] == "gptq"
+    assert _by_name(json.loads((tmp_path / "p2" / "encodings.json").read_text())) == \
+        _by_name(json.loads((tmp_path / "p1" / "encodings.json").read_text()))
+    scores = [json.loads((tmp_path / f"e{p}.json").read_text())["word_perplexity"] for p in ("1", "2")]
+    assert scores[0] == scores[1]

@@ -183,6 +183,23 @@ class DecoderLayer(nn.Module):
         return h, k_new, v_new
 
 
+def block_of(path: str) -> int | None:
+    """The block a module or tensor path of the StaticDecoder belongs to ("layers.3.mlp.up_proj"
+    → 3), None outside the blocks (the embedding, the final norm, the lm head)."""
+    head, _, rest = path.partition(".")
+    if head != "layers":
+        return None
+    return int(rest.partition(".")[0])
+
+
+def in_part(path: str, first: int, end: int, num_layers: int) -> bool:
+    """Whether ``path`` belongs to the part of blocks first … end - 1: a block's own module, or a
+    module outside the blocks after the last (lm head, final norm) where ``end`` is num_layers.
+    (The embedding, which a first part also binds, is no layer SeqMSE or GPTQ touches.)"""
+    i = block_of(path)
+    return end == num_layers if i is None else first <= i < end
+
+
 class StaticDecoder(nn.Module):
     """Decoder LLM with static shapes and explicit KV-cache I/O (see the module docstring)."""
 

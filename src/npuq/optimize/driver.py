@@ -1,29 +1,32 @@
 """Apply SeqMSE and GPTQ to every quantized linear layer of a float StaticDecoder.
 
-The driver works on the float model before export: it runs the calibration windows once to
-collect each layer's input Gram matrix XᵀX (layers that read the same tensor, q/k/v and
-gate/up, share one), searches the scales and rounds the weights layer by layer, and writes the
-rounded weights back as float values that lie exactly on the chosen grid. The returned scales
-are what the PT2E weight observers must report, so the artifact carries exactly these
-integers (per-channel or per-block int4/int8, unchanged format).
+The driver works on the float model before export: it walks the decoder block by block on the
+calibration windows' cached hidden states, collects each layer's input Gram matrix XᵀX (layers
+that read the same tensor, q/k/v and gate/up, share one), searches the scales and rounds the
+weights layer by layer, and writes the rounded weights back as float values that lie exactly on
+the chosen grid. The returned scales are what the PT2E weight observers must report, so the
+artifact carries exactly these integers (per-channel or per-block int4/int8, unchanged format).
+
+The walk takes the whole model at once or a part (a run of blocks) at a time, in order, so a
+model streamed from disk needs only the part walked in memory; the parts give the whole walk's
+Grams, scales and codes, because every block sees the same inputs either way.
 
 Everything runs where the model is (Gram matrices, search, rounding); the windows move there.
 The returned scales and codes are CPU tensors, whatever device computed them.
 
-Layer inputs come from the float model (``inputs="float"``: one forward, every Gram at once) or
-from the model being quantized (``inputs="quantized"``, as GPTQ's reference code does): the
-decoder is walked block by block on cached hidden states, and within a block group by group
-(q/k/v, o, gate/up, down, then the lm head), so each group's Gram matrix is collected after
-every group before it has been rounded and written back. A group's collection pass stops at
-the group's last input (a cheap exception), and each block's output is computed once, so the
-whole walk costs a few forwards, not one per layer.
+Layer inputs come from the float model (``inputs="float"``: a block's Grams from one run of it,
+before any of its layers is rounded) or from the model being quantized (``inputs="quantized"``,
+as GPTQ's reference code does): within a block group by group (q/k/v, o, gate/up, down, then
+the lm head after the last block), so each group's Gram matrix is collected after every group
+before it has been rounded and written back. A group's collection pass stops at the group's
+last input (a cheap exception), and each block's output is computed once, so the whole walk
+costs a few forwards, not one per layer.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +35,7 @@ from tqdm import tqdm
 
 from npuq.device import device_of
 from npuq.errors import NpuqError
+from npuq.models.decoder import block_of, in_part
 from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.seqmse import (
     GRANULARITIES,
@@ -41,7 +45,7 @@ from npuq.optimize.seqmse import (
     quantize_codes,
     seq_mse_search,
 )
-from npuq.runtime.runner import forward_logits
+from npuq.runtime.runner import step_inputs
 
 ROUNDINGS = ("nearest", "gptq")
 INPUTS = ("float", "quantized")
@@ -114,15 +118,21 @@ class OptimizedWeight:
     loss: float  # the same error after optimisation
 
 
-def collect_grams(model: nn.Module, windows: Iterable[torch.Tensor], names: list[str]) -> tuple[dict[str, int], list[torch.Tensor]]:
-    """Accumulate XᵀX (I, I) of each named linear layer's input over ``windows`` (each (B, T) tokens),
-    on the model's device.
+class _Stop(Exception):
+    """Ends a forward early: the hooks have seen what they need."""
 
-    Returns (layer → group index, Gram per group). Consecutive layers called on the very same
+
+def _collect_all(
+    modules: dict[str, nn.Module], names: list[str], run: Callable[[int], object], n_windows: int
+) -> tuple[list[list[str]], list[torch.Tensor], list[object]]:
+    """Every group of ``names`` with its Gram matrix XᵀX (float64), and what ``run(w)`` returned
+    for each window, from one whole run per window: the inputs of the model as it stands.
+
+    Groups come in execution order; layers called right after each other on the very same
     tensor (q/k/v, gate/up) form one group and their input is counted once.
     """
-    modules = dict(model.named_modules())
     group_of: dict[str, int] = {}
+    groups: list[list[str]] = []
     grams: list[torch.Tensor] = []
     last: dict[str, object] = {"input": None, "group": None}
 
@@ -131,8 +141,12 @@ def collect_grams(model: nn.Module, windows: Iterable[torch.Tensor], names: list
             x = args[0]
             shared = x is last["input"]
             if name not in group_of:
-                group_of[name] = last["group"] if shared else len(grams)
-                if not shared:
+                if shared:
+                    group_of[name] = last["group"]
+                    groups[group_of[name]].append(name)
+                else:
+                    group_of[name] = len(grams)
+                    groups.append([name])
                     grams.append(torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float64, device=x.device))
             if not shared:
                 flat = x.detach().reshape(-1, x.shape[-1]).double()
@@ -141,12 +155,13 @@ def collect_grams(model: nn.Module, windows: Iterable[torch.Tensor], names: list
 
         return fn
 
-    device = device_of(model)
     handles = [modules[n].register_forward_pre_hook(hook(n)) for n in names]
+    outputs = []
     try:
-        for tokens in windows:
+        for w in range(n_windows):
             last["input"] = None
-            forward_logits(model, tokens.to(device))
+            with torch.no_grad():
+                outputs.append(run(w))
     finally:
         last["input"] = None
         for h in handles:
@@ -154,57 +169,7 @@ def collect_grams(model: nn.Module, windows: Iterable[torch.Tensor], names: list
     missing = [n for n in names if n not in group_of]
     if missing:
         raise ValueError(f"layers never ran during calibration: {', '.join(missing[:3])}")
-    return group_of, [g.float() for g in grams]
-
-
-class _Stop(Exception):
-    """Ends a forward early: the hooks have seen what they need."""
-
-
-@contextmanager
-def _identity_layers(model: nn.Module, record: list):
-    """Replace each decoder block's forward by the identity that appends (block index, args,
-    kwargs) to ``record``; the forward stops before the final norm (nothing after it is needed)."""
-    layers = list(model.layers)
-
-    def stub(i):
-        def forward(h, *args, **kwargs):
-            record.append((i, h, args, kwargs))
-            return (h, None, None)
-
-        return forward
-
-    def stop(_module, _args):
-        raise _Stop
-
-    for i, layer in enumerate(layers):
-        layer.forward = stub(i)
-    handle = model.norm.register_forward_pre_hook(stop)
-    try:
-        yield
-    finally:
-        handle.remove()
-        for layer in layers:
-            del layer.forward
-
-
-def _block_inputs(model: nn.Module, windows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[tuple]]]:
-    """(hidden state entering block 0 per window, [per block: (args, kwargs) after the hidden
-    state, per window]), from one forward whose blocks are the identity: the embedding, RoPE
-    tables and masks are exactly what the model's own forward gives each block."""
-    hidden: list[torch.Tensor] = []
-    extra: list[list[tuple]] = [[] for _ in model.layers]
-    for tokens in windows:
-        record: list = []
-        with _identity_layers(model, record):
-            try:
-                forward_logits(model, tokens)
-            except _Stop:
-                pass
-        hidden.append(record[0][1])
-        for i, _h, args, kwargs in record:
-            extra[i].append((args, kwargs))
-    return hidden, extra
+    return groups, grams, outputs
 
 
 def _collect_group(
@@ -261,47 +226,165 @@ def _collect_group(
     return found, gram[0]
 
 
-def sequential_groups(
-    model: nn.Module, windows: Iterable[torch.Tensor], names: list[str]
-) -> Iterator[tuple[list[str], torch.Tensor]]:
-    """Yield (group of layers, Gram matrix (I, I) float32) in execution order, each Gram computed
-    from the inputs the model *as it stands* gives that group.
+class LayerWalk:
+    """The layers' input Gram matrices, collected walking a StaticDecoder block by block on the
+    calibration windows' cached hidden states: over the whole model at once, or part by part
+    (layers first … end - 1, the parts in order), so that only the part walked needs its
+    weights (a model streamed from disk: npuq.quantize.pt2e.quantize_model's ``recover``).
 
-    The caller rewrites a group's weights before asking for the next group, so every Gram sees
-    the rounding of all groups before it. The decoder blocks run one at a time on hidden
-    states cached per window; the lm head (and any layer outside the blocks) comes last, on the
-    final norm of the last block's output.
+    The windows enter through the model's own steps (embed, RoPE tables and masks, block i,
+    head), so every layer sees exactly what the model's forward gives it. ``inputs`` "float":
+    a block's groups come from one run of the block per window before any of them is rounded,
+    and the next block takes the float block's outputs (every Gram the float model's).
+    "quantized": group by group (q/k/v, o, gate/up, down), each collected after the groups
+    before it were rounded and written back (the caller does that between groups), the run
+    stopping at the group's input; the block's output is computed once, after its last group.
+    The lm head (and any layer outside the blocks) comes after the last block, on its output.
     """
-    device = device_of(model)
-    windows = [w.to(device) for w in windows]
-    modules = dict(model.named_modules())
-    path_of = {id(m): p for p, m in modules.items()}
-    hidden, extra = _block_inputs(model, windows)
-    left = list(names)
-    for i, layer in enumerate(model.layers):
-        prefix = path_of[id(layer)] + "."
-        pending = [n for n in left if n.startswith(prefix)]
-        states = hidden
 
-        def run(w, layer=layer, i=i, states=states):
-            args, kwargs = extra[i][w]
-            return layer(states[w], *args, **kwargs)
+    def __init__(self, windows: list[torch.Tensor], inputs: str) -> None:
+        if inputs not in INPUTS:
+            raise ValueError(f"layer inputs {inputs!r}: choose one of {', '.join(INPUTS)}")
+        self.windows, self.inputs = windows, inputs
+        self.states: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []  # per window: (hidden, RoPE and masks)
+        self.next = 0  # the first layer of the next part
 
-        while pending:
-            group, gram = _collect_group(modules, pending, run, len(windows))
-            yield group, gram.float()
-            pending = [n for n in pending if n not in group]
-            left = [n for n in left if n not in group]
-        with torch.no_grad():
-            hidden = [run(w)[0] for w in range(len(windows))]
+    def groups(self, model: nn.Module, first: int, end: int, names: list[str]) -> Iterator[tuple[list[str], torch.Tensor]]:
+        """Yield (group of layers, Gram (I, I) float32) of ``names``, the layers of blocks
+        first … end - 1 (and of the head where ``end`` is the last block's), in execution order."""
+        L = model.config.num_layers
+        if first != self.next or not first < end <= L:
+            raise ValueError(f"layers {first}..{end - 1}: the walk is at layer {self.next} of {L}")
+        inside = {n for n in names if in_part(n, first, end, L)}
+        if len(inside) != len(names):
+            raise ValueError(f"not in layers {first}..{end - 1}: {', '.join(sorted(set(names) - inside)[:3])}")
+        modules = dict(model.named_modules())
+        if first == 0:
+            device = device_of(model.embed_tokens)
+            self.states = []
+            with torch.no_grad():
+                for tokens in self.windows:
+                    tokens, mask, positions = step_inputs(model.config, tokens.to(device), 0, tokens.shape[1])
+                    self.states.append((model.embed(tokens), model.rope_and_masks(mask, positions)))
+        for i in range(first, end):
+            def block(w, i=i):
+                h, extra = self.states[w]
+                return model.block(i, h, extra)
 
-    def head(w, states=hidden):
-        return model.lm_head(model.norm(states[w]))
+            yield from self._step(modules, [n for n in names if block_of(n) == i], block, keep=True)
+        if end == L:
+            left = [n for n in names if block_of(n) is None]  # outside every block: the head
+            if left:
+                yield from self._step(modules, left, lambda w: model.head(self.states[w][0]), keep=False)
+            self.states = []
+        self.next = end % L
 
-    while left:
-        group, gram = _collect_group(modules, left, head, len(windows))
-        yield group, gram.float()
-        left = [n for n in left if n not in group]
+    def _step(self, modules: dict[str, nn.Module], names: list[str], run: Callable[[int], object],
+              keep: bool) -> Iterator[tuple[list[str], torch.Tensor]]:
+        n = len(self.windows)
+        outputs = None
+        if self.inputs == "float":
+            groups, grams, outputs = _collect_all(modules, names, run, n)
+            for group, gram in zip(groups, grams):
+                yield group, gram.float()
+        else:
+            while names:
+                group, gram = _collect_group(modules, names, run, n)
+                yield group, gram.float()
+                names = [name for name in names if name not in group]
+        if keep:
+            if outputs is None:
+                with torch.no_grad():
+                    outputs = [run(w) for w in range(n)]
+            self.states = [(out[0], extra) for out, (_, extra) in zip(outputs, self.states)]
+
+
+def sequential_groups(
+    model: nn.Module, windows: Iterable[torch.Tensor], names: list[str], inputs: str = "quantized"
+) -> Iterator[tuple[list[str], torch.Tensor]]:
+    """:meth:`LayerWalk.groups` over the whole model (the windows move to its device)."""
+    walk = LayerWalk(list(windows), inputs)
+    yield from walk.groups(model, 0, model.config.num_layers, names)
+
+
+class WeightOptimizer:
+    """SeqMSE and/or GPTQ, layer by layer, over a decoder walked whole or part by part
+    (:class:`LayerWalk`; ``options.layer_inputs`` says which inputs). Each :meth:`part` call
+    optimises the layers of its part, writes their weights back on the chosen grid and returns
+    their results; :attr:`results` and :attr:`timings` ({"collect_seconds",
+    "seq_mse_seconds", "rounding_seconds"}) accumulate over the parts."""
+
+    def __init__(self, windows: list[torch.Tensor], options: RecoveryOptions, rank: int | None = 64,
+                 progress: bool = True) -> None:
+        self.walk = LayerWalk(windows, options.layer_inputs)
+        self.options, self.rank, self.progress = options, rank, progress
+        self.timings = {"collect_seconds": 0.0, "seq_mse_seconds": 0.0, "rounding_seconds": 0.0}
+        self.results: dict[str, OptimizedWeight] = {}
+
+    def part(self, model: nn.Module, first: int, end: int, specs: dict[str, WeightSpec]) -> dict[str, OptimizedWeight]:
+        """Optimise the layers ``specs`` (module path → WeightSpec) of layers first … end - 1 (and
+        the head where ``end`` is the last), in place; returns their results."""
+        modules = dict(model.named_modules())
+        groups = self.walk.groups(model, first, end, list(specs))
+        results: dict[str, OptimizedWeight] = {}
+        bar = tqdm(total=len(specs), desc="weights", unit="layer", disable=not self.progress, leave=False)
+        while True:
+            t = time.perf_counter()
+            step = next(groups, None)  # runs the next collection pass
+            self.timings["collect_seconds"] += time.perf_counter() - t
+            if step is None:
+                break
+            group, gram = step
+            factor: list[GramFactor] = []  # the group's, made once for all its members
+            for name in group:
+                results[name] = self._layer(modules[name], specs[name], gram, factor)
+                bar.update(1)
+        bar.close()
+        self.results.update(results)
+        return results
+
+    def _layer(self, module: nn.Module, spec: WeightSpec, gram: torch.Tensor, factor: list[GramFactor]) -> OptimizedWeight:
+        seq_mse, granularity, rank = self.options.seq_mse, self.options.seq_mse_granularity, self.rank
+
+        def low_rank() -> GramFactor:
+            if not factor:
+                factor.append(GramFactor.from_gram(gram, rank))
+            return factor[0]
+
+        weight = module.weight.detach().float()
+        t0 = time.perf_counter()
+        if spec.scale_bits is not None:  # LPBQ: block scales by the backend's rule, SeqMSE scales each channel's base
+            scale = lpbq_scale(weight, spec.bits, spec.block_size, spec.scale_bits, spec.eps)
+            loss_minmax = float("nan")
+            if seq_mse:
+                found = seq_mse_search(weight, low_rank(), spec.bits, seq_mse, granularity, spec.block_size, rank,
+                                       block_scale=scale)
+                scale, loss_minmax = found.scale, found.loss_minmax
+        elif seq_mse:
+            source = low_rank() if spec.block_size is None else gram
+            found = seq_mse_search(weight, source, spec.bits, seq_mse, granularity, spec.block_size, rank)
+            scale, loss_minmax = found.scale, found.loss_minmax
+        else:
+            scale = minmax_scale(weight, spec.bits, spec.block_size)
+            loss_minmax = float("nan")
+        t1 = time.perf_counter()
+        if self.options.gptq is not None:
+            codes = self.options.gptq.codes(weight, gram, scale, spec.bits)
+        else:
+            codes = quantize_codes(weight, scale, spec.bits).to(torch.int8)
+        t2 = time.perf_counter()
+        self.timings["seq_mse_seconds"] += t1 - t0
+        self.timings["rounding_seconds"] += t2 - t1
+        dequant = _dequantize(codes, scale)
+        err = weight - dequant
+        loss = torch.einsum("oi,ij,oj->", err, gram, err).item()
+        if not seq_mse:
+            nearest = weight - _dequantize(quantize_codes(weight, scale, spec.bits), scale)
+            loss_minmax = torch.einsum("oi,ij,oj->", nearest, gram, nearest).item()
+        # The parameter takes new memory rather than being written in place: a part streamed
+        # from a float32 file holds tensors mapped from the file (npuq.models.stream).
+        module.weight.data = dequant
+        return OptimizedWeight(scale.cpu(), codes.cpu(), loss_minmax, loss)
 
 
 def optimize_weights(
@@ -312,80 +395,15 @@ def optimize_weights(
     rank: int | None = 64,
     progress: bool = True,
 ) -> tuple[dict[str, OptimizedWeight], dict[str, float]]:
-    """Optimise every layer in ``specs`` (module path → WeightSpec) and write its weights back.
+    """Optimise every layer in ``specs`` (module path → WeightSpec) of the whole ``model`` and
+    write its weights back (:class:`WeightOptimizer`, one part).
 
     ``options.seq_mse`` None keeps min/max scales; GPTQ rounding replaces nearest rounding.
-    Layer inputs "float" fit every layer to the float model's inputs; "quantized" to the inputs
-    the partly quantized model gives it (:func:`sequential_groups`).
     Returns (per-layer results, {"collect_seconds", "seq_mse_seconds", "rounding_seconds"}).
     """
-    seq_mse, granularity, inputs = options.seq_mse, options.seq_mse_granularity, options.layer_inputs
-    timings = {"collect_seconds": 0.0, "seq_mse_seconds": 0.0, "rounding_seconds": 0.0}
-    names = list(specs)
-    if inputs == "float":
-        start = time.perf_counter()
-        group_of, grams = collect_grams(model, windows, names)
-        timings["collect_seconds"] = time.perf_counter() - start
-        stages: Iterator = ((name, grams[group_of[name]], group_of[name]) for name in names)
-    else:
-        stages = ((name, gram, g) for g, (group, gram) in enumerate(sequential_groups(model, windows, names))
-                  for name in group)
-    factors: dict[int, GramFactor] = {}
-    modules = dict(model.named_modules())
-    results: dict[str, OptimizedWeight] = {}
-    bar = tqdm(total=len(names), desc="weights", unit="layer", disable=not progress, leave=False)
-    while True:
-        t = time.perf_counter()
-        stage = next(stages, None)  # with quantized inputs: runs the next collection pass
-        if inputs == "quantized":
-            timings["collect_seconds"] += time.perf_counter() - t
-        if stage is None:
-            break
-        name, gram, group = stage
-        spec = specs[name]
-        weight = modules[name].weight.detach().float()
-        t0 = time.perf_counter()
-        if spec.scale_bits is not None:  # LPBQ: block scales by the backend's rule, SeqMSE scales each channel's base
-            scale = lpbq_scale(weight, spec.bits, spec.block_size, spec.scale_bits, spec.eps)
-            loss_minmax = float("nan")
-            if seq_mse:
-                if group not in factors:
-                    factors[group] = GramFactor.from_gram(gram, rank)
-                found = seq_mse_search(weight, factors[group], spec.bits, seq_mse, granularity, spec.block_size, rank,
-                                       block_scale=scale)
-                scale, loss_minmax = found.scale, found.loss_minmax
-        elif seq_mse:
-            if spec.block_size is None:
-                if group not in factors:
-                    factors[group] = GramFactor.from_gram(gram, rank)
-                source = factors[group]
-            else:
-                source = gram
-            found = seq_mse_search(weight, source, spec.bits, seq_mse, granularity, spec.block_size, rank)
-            scale, loss_minmax = found.scale, found.loss_minmax
-        else:
-            scale = minmax_scale(weight, spec.bits, spec.block_size)
-            loss_minmax = float("nan")
-        t1 = time.perf_counter()
-        if options.gptq is not None:
-            codes = options.gptq.codes(weight, gram, scale, spec.bits)
-        else:
-            codes = quantize_codes(weight, scale, spec.bits).to(torch.int8)
-        t2 = time.perf_counter()
-        timings["seq_mse_seconds"] += t1 - t0
-        timings["rounding_seconds"] += t2 - t1
-        dequant = _dequantize(codes, scale)
-        err = weight - dequant
-        loss = torch.einsum("oi,ij,oj->", err, gram, err).item()
-        if not seq_mse:
-            nearest = weight - _dequantize(quantize_codes(weight, scale, spec.bits), scale)
-            loss_minmax = torch.einsum("oi,ij,oj->", nearest, gram, nearest).item()
-        with torch.no_grad():
-            modules[name].weight.copy_(dequant)
-        results[name] = OptimizedWeight(scale.cpu(), codes.cpu(), loss_minmax, loss)
-        bar.update(1)
-    bar.close()
-    return results, timings
+    optimizer = WeightOptimizer(windows, options, rank, progress)
+    results = optimizer.part(model, 0, model.config.num_layers, specs)
+    return results, optimizer.timings
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""Accuracy recovery for a whole model under a recipe: which layers SeqMSE/GPTQ may touch, the
-driver call (npuq.optimize.driver.RecoveryOptions, checked on construction) whose scales the
-quantizer pins, and what it did (:class:`RecoverySummary`, an artifact's "optimize" record)."""
+"""Accuracy recovery for a model under a recipe, whole or part by part: which layers SeqMSE/GPTQ
+may touch, the driver calls (npuq.optimize.driver.RecoveryOptions, checked on construction)
+whose scales the quantizer pins, and what they did (:class:`RecoverySummary`, an artifact's
+"optimize" record)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from npuq.device import is_cpu
 from npuq.errors import NpuqError
-from npuq.optimize.driver import MAX_BITS, RecoveryOptions, WeightSpec, optimize_weights
+from npuq.models.decoder import in_part
+from npuq.optimize.driver import MAX_BITS, RecoveryOptions, WeightOptimizer, WeightSpec
 from npuq.quant.schemes import PerBlock
 
 
@@ -62,38 +64,61 @@ def linear_weight_specs(model: Any, recipe: Any) -> dict[str, Any]:
     return specs
 
 
+class PartRecovery:
+    """SeqMSE and/or GPTQ as ``options`` say on every linear layer of a float model under
+    ``recipe``, part by part: ``recovery(model, first, end)``, called with the layers first …
+    end - 1 (and the head, with the last) in memory, parts in order, rewrites those layers'
+    weights in place on the chosen grid and returns their scales to pin (module path → (O,)
+    scales, or (O, blocks) for LPBQ). npuq.quantize.pt2e.quantize_model calls it on each part
+    before preparing it (``recover``), so a model streamed from disk is recovered as it is
+    quantized; the parts give the whole model's scales and codes (npuq.optimize.driver).
+
+    ``model``: the model, or the skeleton of a streamed one (module names and types only).
+    On a GPU ``device`` each part visits it for the Gram collection and the search and comes
+    back to the CPU (where it is exported) with its rewritten weights."""
+
+    def __init__(self, model: Any, recipe: Any, windows: Any, options: RecoveryOptions, *, progress: bool,
+                 device: Any = None) -> None:
+        self.specs = linear_weight_specs(model, recipe)
+        if not self.specs:
+            raise NpuqError(f"SeqMSE and GPTQ do not apply to recipe {recipe.name!r}: every linear layer has "
+                            f"weights wider than {MAX_BITS} bits, whose rounding error is already negligible; drop "
+                            "--seq-mse / --weight-rounding gptq, or choose a scheme with 8- or 4-bit weights")
+        self.options, self.device = options, device
+        self.optimizer = WeightOptimizer([row.unsqueeze(0) for row in windows.rows()], options, progress=progress)
+
+    def __call__(self, model: Any, first: int, end: int) -> dict[str, torch.Tensor]:
+        L = model.config.num_layers
+        specs = {name: spec for name, spec in self.specs.items() if in_part(name, first, end, L)}
+        if is_cpu(self.device):
+            results = self.optimizer.part(model, first, end, specs)
+        else:
+            try:
+                results = self.optimizer.part(model.to(self.device), first, end, specs)
+            finally:
+                model.to("cpu")
+        return {name: r.scale for name, r in results.items()}
+
+    def summary(self) -> RecoverySummary:
+        """What was done over the parts so far."""
+        results, timings, o = self.optimizer.results, self.optimizer.timings, self.options
+        before = sum(r.loss_minmax for r in results.values())
+        after = sum(r.loss for r in results.values())
+        return RecoverySummary(
+            seq_mse=SeqMseSummary(o.seq_mse, o.seq_mse_granularity if o.seq_mse else None, timings["seq_mse_seconds"]),
+            weight_rounding=RoundingSummary(o.weight_rounding, timings["rounding_seconds"],
+                                            o.gptq.act_order if o.gptq is not None else None),
+            gram_seconds=timings["collect_seconds"],
+            layer_inputs=o.layer_inputs,
+            layers=len(results),
+            output_error_reduction=1 - after / before if before > 0 else 0.0,
+        )
+
+
 def optimize_for_recipe(
     model: Any, recipe: Any, windows: Any, options: RecoveryOptions, *, progress: bool, device: Any = None,
 ) -> tuple[dict[str, Any], RecoverySummary]:
-    """SeqMSE and/or GPTQ as ``options`` say on every linear layer of the float ``model``
-    (weights rewritten in place on the chosen grid). Returns (module path → (O,) scales, or
-    (O, blocks) for LPBQ, to pin; what was done).
-
-    On a GPU ``device`` the model visits it for the Gram collection and the search and comes
-    back to the CPU (where it is exported) with its rewritten weights."""
-    specs = linear_weight_specs(model, recipe)
-    if not specs:
-        raise NpuqError(f"SeqMSE and GPTQ do not apply to recipe {recipe.name!r}: every linear layer has "
-                        f"weights wider than {MAX_BITS} bits, whose rounding error is already negligible; drop "
-                        "--seq-mse / --weight-rounding gptq, or choose a scheme with 8- or 4-bit weights")
-    rows = [row.unsqueeze(0) for row in windows.rows()]
-    if is_cpu(device):
-        results, timings = optimize_weights(model, rows, specs, options, progress=progress)
-    else:
-        try:
-            results, timings = optimize_weights(model.to(device), rows, specs, options, progress=progress)
-        finally:
-            model.to("cpu")
-    before = sum(r.loss_minmax for r in results.values())
-    after = sum(r.loss for r in results.values())
-    o = options
-    summary = RecoverySummary(
-        seq_mse=SeqMseSummary(o.seq_mse, o.seq_mse_granularity if o.seq_mse else None, timings["seq_mse_seconds"]),
-        weight_rounding=RoundingSummary(o.weight_rounding, timings["rounding_seconds"],
-                                        o.gptq.act_order if o.gptq is not None else None),
-        gram_seconds=timings["collect_seconds"],
-        layer_inputs=o.layer_inputs,
-        layers=len(results),
-        output_error_reduction=1 - after / before if before > 0 else 0.0,
-    )
-    return {name: r.scale for name, r in results.items()}, summary
+    """:class:`PartRecovery` over the whole float ``model`` at once: (scales to pin, what was done)."""
+    recovery = PartRecovery(model, recipe, windows, options, progress=progress, device=device)
+    scales = recovery(model, 0, model.config.num_layers)
+    return scales, recovery.summary()

@@ -253,6 +253,7 @@ def quantize_model(
     device: str | torch.device | None = None,
     parts: Sequence[tuple[int, int]] | None = None,
     store: Callable[[int, QuantizedPart], None] | None = None,
+    recover: Callable[[torch.nn.Module, int, int], dict[str, torch.Tensor]] | None = None,
 ) -> QuantizedModel:
     """Quantize a StaticDecoder with ``recipe``, calibrated on ``tokens`` (see module docstring).
 
@@ -273,6 +274,11 @@ def quantize_model(
     its encodings (so only one part's programs are ever in memory; the result then has no
     programs to run). Without ``store`` a model of several parts runs as a
     :class:`npuq.runtime.runner.PartChain` of them.
+
+    ``recover(module, first, end)`` (npuq.optimize.recovery.PartRecovery: SeqMSE/GPTQ): called
+    on each part's float module, weights in memory, before the part is prepared; it rounds those
+    weights in place and returns the scales to pin (``weight_scales`` of that part). A model of
+    one part, not streamed, is recovered whole before its graph is exported.
     """
     if mode not in CALIBRATION_MODES:
         raise NpuqError(f"unknown calibration mode {mode!r}; choose one of {', '.join(CALIBRATION_MODES)}")
@@ -293,9 +299,12 @@ def quantize_model(
     if mode != "onepass" and (len(layers) > 1 or streamed):
         raise NpuqError("sequential calibration runs the whole model token by token: use --calibration-mode onepass "
                         "to quantize in parts or streamed")
-    if streamed and weight_scales:
-        raise NpuqError("SeqMSE/GPTQ scales need the whole model loaded: they are not made for a streamed model")
+    if weight_scales and (recover is not None or len(layers) > 1 or streamed):
+        raise ValueError("weight_scales are the whole model's: quantizing in parts or streamed, pass recover")
     parted = len(layers) > 1 or streamed
+    if recover is not None and not parted:  # before the export: the graph binds the rounded weights
+        with scope_or_keep(num_threads):
+            weight_scales = recover(model, 0, cfg.num_layers)
     timings = dict.fromkeys(("export", "prepare", "calibration", "convert", "read"), 0.0)
     start = time.perf_counter()
 
@@ -317,8 +326,12 @@ def quantize_model(
                 with _weights(model, first, end) as weights:
                     t0 = time.perf_counter()
                     timings["read"] += t0 - reading
+                    scales = weight_scales
+                    if recover is not None and parted:  # timed by its own summary
+                        scales = recover(weights, first, end)
+                        t0 = time.perf_counter()
                     graph = whole if weights is None else part_graph(whole, first, end, weights)
-                    prepared, quantizer = _prepare(graph, recipe, end - first, weight_scales, plan)
+                    prepared, quantizer = _prepare(graph, recipe, end - first, scales, plan)
                     del graph
                     observed = calibration_view(prepared) if mode == "onepass" else prepared
                     t1 = time.perf_counter()

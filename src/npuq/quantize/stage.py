@@ -16,6 +16,7 @@ from typing import Any
 
 from npuq.calibrate.split import split_windows
 from npuq.data.corpora import CALIB_CORPUS, corpus_tokens, load_corpus, replaced_characters
+from npuq.device import is_cpu
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
 from npuq.models import layer_bytes, load_model, model_config, open_streamed
@@ -23,7 +24,7 @@ from npuq.models.stream import StreamedDecoder
 from npuq.optimize.budget import BudgetReport, budget_recipe, check_budget_base
 from npuq.optimize.driver import RecoveryOptions
 from npuq.optimize.gptq import GptqOptions
-from npuq.optimize.recovery import RoundingSummary, SeqMseSummary, optimize_for_recipe
+from npuq.optimize.recovery import PartRecovery, RoundingSummary, SeqMseSummary
 from npuq.optimize.rotate import rotate_model, rotate_streamed
 from npuq.partition import fewest_runs
 from npuq.quant.recipe import ROTATE_CHOICES, load_recipe
@@ -179,8 +180,8 @@ def auto_parts(cfg: Any, available: int | None = None, *, whole: bool = False) -
     One part, the whole model loaded (the flow and the artifact of a model of one part), where
     its float32 weights take at most PART_BYTES and WHOLE_FACTOR times them fit the usable
     memory (Qwen2.5-Coder-0.5B, 2.5 GB of float32 weights as npuq holds them, peaked at 4.7 GB
-    quantizing 16a8w whole), or where ``whole`` (the run needs the whole model: SeqMSE/GPTQ, a
-    size budget, sequential calibration) and it fits. Otherwise parts, streamed: the fewest runs
+    quantizing 16a8w whole), or where ``whole`` (the run needs the whole model: a size budget,
+    sequential calibration, SeqMSE/GPTQ on a GPU) and it fits. Otherwise parts, streamed: the fewest runs
     of layers whose float32 weights take at most PART_BYTES each (a quarter of the usable memory
     where that is less), the embedding table counted with the first part and the final norm
     and head with the last, as even as that count allows; a part holding a table larger than
@@ -215,15 +216,16 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     recipe, documents = check_quantize(o)
     max_context = o.context if o.context > 4096 else None
     cfg = model_config(o.model, max_context)
-    # SeqMSE/GPTQ, a size budget and sequential calibration run on the whole model's forward
-    needs_whole = o.recovery is not None or o.bits_per_weight is not None or o.calibration_mode != "onepass"
+    # A size budget and sequential calibration run on the whole model's forward; SeqMSE/GPTQ on
+    # a GPU visits it whole where it fits (in parts it runs on the CPU, as streaming does).
+    needs_whole = (o.bits_per_weight is not None or o.calibration_mode != "onepass"
+                   or (o.recovery is not None and not is_cpu(ctx.device)))
     layout = None if o.parts else auto_parts(cfg, whole=needs_whole)
     parts = o.parts or len(layout)
     if parts > 1:
         why = "" if o.parts else (f"it does not fit this machine's memory whole, so it is quantized in {parts} parts, "
                                   "and ")
         steps = [(what, fix) for what, fix, on in (
-            ("SeqMSE/GPTQ", "drop --seq-mse / --weight-rounding", o.recovery is not None),
             ("a size budget", "drop --bits-per-weight", o.bits_per_weight is not None),
             ("sequential calibration", "use --calibration-mode onepass", o.calibration_mode != "onepass")) if on]
         if steps:
@@ -259,19 +261,19 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         with ctx.scope(o.phase):
             recipe, budget = budget_recipe(loaded.model, recipe, split_windows(tokens, o.context).rows(),
                                            o.bits_per_weight, progress=ctx.progress)
-    weight_scales, optimized = None, None
-    if o.recovery is not None:
+    recovery = None
+    if o.recovery is not None:  # SeqMSE/GPTQ on each part as quantize_model reads it
         weights_sha256()  # the recovery writes its rounded weights in place: the hash first
-
-        with ctx.scope(o.phase):
-            weight_scales, optimized = optimize_for_recipe(loaded.model, recipe, split_windows(tokens, o.context),
-                                                           o.recovery, progress=ctx.progress, device=ctx.device)
+        recovery = PartRecovery(loaded.model.skeleton if streamed else loaded.model, recipe,
+                                split_windows(tokens, o.context), o.recovery, progress=ctx.progress,
+                                device=None if streamed else ctx.device)
     with writing_artifact(out, parts, force=force) as writer:
         qm = quantize_model(
             loaded.model, recipe, tokens, context=o.context, mode=o.calibration_mode, prefill_len=o.prefill_len,
             batch_size=o.batch_size, num_threads=ctx.threads(o.phase), progress=ctx.progress,
-            weight_scales=weight_scales, device=ctx.device, parts=layout, store=writer.store,
+            device=ctx.device, parts=layout, store=writer.store, recover=recovery,
         )
+        optimized = recovery.summary() if recovery is not None else None
         saving = time.perf_counter()
         replaced = replaced_characters(documents)
         calibration = {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
