@@ -215,12 +215,13 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                         "peak memory is one part, not the model; the artifact holds one folder of programs per part, "
                         "and the results are those of the whole model, bit for bit. auto (default): one part (the "
                         "whole model, loaded) where its float32 weights take at most 1 GiB and fit 2.5 times in the "
-                        "memory this process may use (or where --bits-per-weight, sequential calibration "
-                        "or SeqMSE/GPTQ on a GPU need the whole model and it fits); else the fewest parts of at most 1 GiB of "
+                        "memory this process may use (or where sequential calibration or SeqMSE/GPTQ "
+                        "on a GPU need the whole model and it fits); else the fewest parts of at most 1 GiB of "
                         "float32 weights each (a quarter of the usable memory, if less), the embedding table counted "
                         "with the first part and the head with the last (Qwen2.5-Coder-0.5B: 3 parts, -1.5B: 8). Each part is "
-                        "rotated and SeqMSE/GPTQ-recovered as it is read (on the CPU), with the whole model's results; "
-                        "more than one part takes one-pass calibration without --bits-per-weight for now")
+                        "rotated and SeqMSE/GPTQ-recovered as it is read (on the CPU), and --bits-per-weight measures "
+                        "it part by part, with the whole model's results; more than one part takes one-pass "
+                        "calibration")
     p.add_argument("--rotate", choices=ROTATE_CHOICES, default=None,
                    help="fold rotations into the float weights before calibration, so 4-bit weight grids meet no "
                         "outlier channels; the graph and its ops are unchanged: r1, a randomized Hadamard matrix on "

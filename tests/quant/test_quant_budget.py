@@ -156,3 +156,47 @@ def test_cli_bits_per_weight_writes_a_recipe_that_recipe_reads(tmp_path, hf_fold
     assert main([*base, "--scheme", "8a8w", "--bits-per-weight", "6", "--out", str(tmp_path / "x")]) == 2
     assert "8-bit activations" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("arch,r1", [("gemma3", False), ("qwen2", False), ("llama", True)])
+def test_sensitivity_of_a_streamed_model_part_by_part_is_the_whole_models(arch, r1, tmp_path):
+    """A model read from disk is measured a part at a time: a forward keeps the hidden states
+    entering each part, then each part, last to first, runs again with gradients from them and
+    back from the part after it. The same ops in the same order as one forward and backward of
+    the resident model, so the same sums, bit for bit (one torch thread, the conftest's); R1
+    folded as each part is read (the tied llama head untied)."""
+    from npuq.models import load_model, open_streamed
+    from npuq.optimize.rotate import rotate_model, rotate_streamed
+
+    folder = save_tiny_hf_folder(tmp_path / arch, arch, seed=2)
+    resident = load_model(str(folder), max_context=CONTEXT).model
+    streamed = open_streamed(str(folder), max_context=CONTEXT).model
+    if r1:
+        rotate_model(resident, seed=7, r1=True, r2=False)
+        rotate_streamed(streamed, seed=7, r1=True, r2=False)
+    L = resident.config.num_layers
+    weights = model_weights(resident)
+    assert weights == model_weights(streamed.skeleton)
+    g = torch.Generator().manual_seed(1)
+    rows = list(torch.randint(3, 256, (3, CONTEXT), generator=g)) + [torch.randint(3, 256, (7,), generator=g)]
+    expected, tokens = measure_sensitivity(resident, rows, weights)
+    for parts in (((0, L),), tuple((i, i + 1) for i in range(L))):
+        got, got_tokens = measure_sensitivity(streamed, rows, weights, parts=parts)
+        assert got_tokens == tokens == 3 * (CONTEXT - 1) + 6
+        assert got == expected, parts
+    assert all(v > 0 for per in expected.values() for v in per.values())
+
+
+def test_cli_bits_per_weight_in_parts_chooses_what_it_chooses_whole(tmp_path, hf_folder):
+    folder, text = hf_folder
+    base = ["quantize", "--model", str(folder), "--calib-corpus", f"file:{text}", "--calib-tokens", "48",
+            "--context", str(CONTEXT), "--num-threads", "1", "--bits-per-weight", "6"]
+    configs = {}
+    for parts in ("1", "2"):
+        assert main([*base, "--parts", parts, "--out", str(tmp_path / parts)]) == 0
+        configs[parts] = json.loads((tmp_path / parts / "config.json").read_text())
+    assert configs["2"]["parts"] != configs["1"].get("parts")  # streamed in two parts, whole in one
+    for key in ("recipe", "recipe_plan", "bits_per_weight", "weight_bytes"):
+        assert configs["2"][key] == configs["1"][key], key
+    assert {k: v for k, v in configs["2"]["budget"].items() if k != "seconds"} == \
+        {k: v for k, v in configs["1"]["budget"].items() if k != "seconds"}

@@ -27,13 +27,16 @@ import re
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
 from npuq.device import device_of
 from npuq.errors import NpuqError
+from npuq.models.decoder import in_part
+from npuq.models.stream import StreamedDecoder
 from npuq.optimize.seqmse import fake_quantize, lpbq_scale, minmax_scale
 from npuq.quant.recipe import Recipe, Rule
 from npuq.quant.schemes import PerBlock, get_scheme
@@ -103,59 +106,129 @@ def rounded(weight: torch.Tensor, fmt: str, act_bits: int = 16) -> torch.Tensor:
     return fake_quantize(w, scale, weight_fmt.bits)
 
 
+class _Sensitivity:
+    """The sensitivities of ``weights`` (module docstring), accumulated by hooks while a forward
+    and backward run: :meth:`watching` attaches them to the modules of ``model`` named there."""
+
+    def __init__(self, weights: Sequence[WeightTensor], act_bits: int) -> None:
+        self.act_bits = act_bits
+        self.sens = {w.path: dict.fromkeys(formats_of(w), 0.0) for w in weights}
+        self.weights = {w.path: w for w in weights}
+
+    @contextmanager
+    def watching(self, model: Any, paths: Iterable[str]) -> Iterator[None]:
+        modules = dict(model.named_modules())
+
+        def delta(w: WeightTensor, fmt: str) -> torch.Tensor:
+            """ΔW, made when needed (a few times the cost of reading the weight; holding every
+            layer's for all windows would take three times the model)."""
+            weight = modules[w.path].weight.detach()
+            return rounded(weight, fmt, self.act_bits) - weight.float()
+
+        def hook(w: WeightTensor):
+            def accumulate(x: torch.Tensor, g: torch.Tensor) -> None:
+                g2 = g.detach().float().square()
+                for fmt in self.sens[w.path]:
+                    d = delta(w, fmt)
+                    dz = d[x] if w.kind == EMBEDDING else x.float() @ d.T
+                    self.sens[w.path][fmt] += 0.5 * float((g2 * dz.square()).sum())
+
+            def fn(_module, args, out):
+                x = args[0].detach()
+                if w.kind == EMBEDDING:  # the graph that needs gradients starts here
+                    out = out.detach().requires_grad_()
+                out.register_hook(lambda g: accumulate(x, g))
+                return out
+
+            return fn
+
+        handles = [modules[p].register_forward_hook(hook(self.weights[p])) for p in paths]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+
+
 def measure_sensitivity(model: Any, rows: Iterable[torch.Tensor], weights: Sequence[WeightTensor],
-                        act_bits: int = 16) -> tuple[dict[str, dict[str, float]], int]:
+                        act_bits: int = 16, parts: Sequence[tuple[int, int]] | None = None
+                        ) -> tuple[dict[str, dict[str, float]], int]:
     """(layer path → format → sensitivity (module docstring), tokens scored) over ``rows``
-    (1-D token windows) on the float ``model``, where it is."""
-    modules = dict(model.named_modules())
-    sens = {w.path: dict.fromkeys(formats_of(w), 0.0) for w in weights}
-
-    def delta(w: WeightTensor, fmt: str) -> torch.Tensor:
-        """ΔW, made when needed (a few times the cost of reading the weight; holding every
-        layer's for all windows would take three times the model)."""
-        weight = modules[w.path].weight.detach()
-        return rounded(weight, fmt, act_bits) - weight.float()
-
-    def hook(w: WeightTensor):
-        def accumulate(x: torch.Tensor, g: torch.Tensor) -> None:
-            g2 = g.detach().float().square()
-            for fmt in sens[w.path]:
-                d = delta(w, fmt)
-                dz = d[x] if w.kind == EMBEDDING else x.float() @ d.T
-                sens[w.path][fmt] += 0.5 * float((g2 * dz.square()).sum())
-
-        def fn(_module, args, out):
-            x = args[0].detach()
-            if w.kind == EMBEDDING:  # the graph that needs gradients starts here
-                out = out.detach().requires_grad_()
-            out.register_hook(lambda g: accumulate(x, g))
-            return out
-
-        return fn
-
+    (1-D token windows) on the float ``model``, where it is; a StreamedDecoder is measured
+    ``parts`` (first, end) at a time (:func:`_measure_streamed`; None: all its layers at once)."""
+    sensitivity = _Sensitivity(weights, act_bits)
+    if isinstance(model, StreamedDecoder):
+        parts = parts or ((0, model.config.num_layers),)
+        return sensitivity.sens, _measure_streamed(model, parts, rows, sensitivity)
     device = device_of(model)
     params = [p for p in model.parameters()]
     grads = [p.requires_grad for p in params]
-    handles = [modules[w.path].register_forward_hook(hook(w)) for w in weights]
     tokens = 0
     try:
         for p in params:
             p.requires_grad_(False)
-        for row in rows:
-            ids = row.reshape(1, -1).to(device)
-            if ids.shape[1] < 2:
-                continue
-            with torch.enable_grad():
-                logits = model(*step_inputs(model.config, ids, 0, ids.shape[1]))[0]
-                loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
-                loss.backward()
-            tokens += ids.shape[1] - 1
+        with sensitivity.watching(model, sensitivity.weights):
+            for row in rows:
+                ids = row.reshape(1, -1).to(device)
+                if ids.shape[1] < 2:
+                    continue
+                with torch.enable_grad():
+                    logits = model(*step_inputs(model.config, ids, 0, ids.shape[1]))[0]
+                    _next_token_loss(logits, ids).backward()
+                tokens += ids.shape[1] - 1
     finally:
-        for h in handles:
-            h.remove()
         for p, g in zip(params, grads):
             p.requires_grad_(g)
-    return sens, tokens
+    return sensitivity.sens, tokens
+
+
+def _measure_streamed(model: StreamedDecoder, parts: Sequence[tuple[int, int]], rows: Iterable[torch.Tensor],
+                      sensitivity: _Sensitivity) -> int:
+    """Every window's forward and backward through a model read from disk ``parts`` at a time
+    (each part read twice): a forward keeps the hidden states
+    entering each part, then the parts run again last to first with gradients, each from the
+    hidden states it took and back from the gradient the part after it returned, its weights
+    watched meanwhile. The same ops as the whole model's forward and backward (the steps of
+    npuq.models.stream), so the same sensitivities. Returns the tokens scored."""
+    skeleton, cfg = model.skeleton, model.config
+    ids = [row.reshape(1, -1) for row in rows if row.numel() >= 2]
+    steps = [step_inputs(cfg, x, 0, x.shape[1]) for x in ids]
+    extras = [skeleton.rope_and_masks(mask, positions) for _, mask, positions in steps]
+    entering: list[list[torch.Tensor | None]] = [[None] * len(ids) for _ in parts]
+
+    def run(first: int, end: int, r: int, h: torch.Tensor | None) -> torch.Tensor:
+        if first == 0:
+            h = skeleton.embed(ids[r])
+        for i in range(first, end):
+            h = skeleton.block(i, h, extras[r])[0]
+        return h
+
+    with torch.no_grad():
+        for k, (first, end) in enumerate(parts[:-1]):
+            with model.resident_part(first, end):
+                for r in range(len(ids)):
+                    entering[k + 1][r] = run(first, end, r, entering[k][r])
+    grads: list[torch.Tensor | None] = [None] * len(ids)
+    for k in reversed(range(len(parts))):
+        first, end = parts[k]
+        watched = [w.path for w in sensitivity.weights.values()
+                   if (first == 0 if w.kind == EMBEDDING else in_part(w.path, first, end, cfg.num_layers))]
+        with model.resident_part(first, end), sensitivity.watching(skeleton, watched):
+            for r in range(len(ids)):
+                with torch.enable_grad():
+                    h = None if first == 0 else entering[k][r].requires_grad_()
+                    out = run(first, end, r, h)
+                    if end == cfg.num_layers:
+                        _next_token_loss(skeleton.head(out), ids[r]).backward()
+                    else:
+                        out.backward(grads[r])
+                grads[r] = None if first == 0 else h.grad
+                entering[k][r] = None
+    return sum(x.shape[1] - 1 for x in ids)
 
 
 def lower_hull(options: Sequence[Option]) -> list[Option]:
@@ -231,13 +304,14 @@ def check_budget_base(base: Recipe) -> None:
 
 
 def budget_recipe(model: Any, base: Recipe, rows: Sequence[torch.Tensor], bits_per_weight: float, *,
-                  progress: bool = False) -> tuple[Recipe, BudgetReport]:
+                  progress: bool = False, parts: Sequence[tuple[int, int]] | None = None) -> tuple[Recipe, BudgetReport]:
     """The recipe whose weights take at most ``bits_per_weight`` code bits on average with the
     least measured loss (module docstring), and what it chose. ``base``: its KV cache and rotation
-    are kept; its activations must be 16-bit (every format chosen from is a 16-bit activation one)."""
+    are kept; its activations must be 16-bit (every format chosen from is a 16-bit activation one).
+    A StreamedDecoder is measured ``parts`` at a time (:func:`measure_sensitivity`)."""
     check_budget_base(base)
     start = time.perf_counter()
-    weights = model_weights(model)
+    weights = model_weights(model.skeleton if isinstance(model, StreamedDecoder) else model)
     if not weights:
         raise NpuqError("--bits-per-weight: the model has no linear or embedding weights")
     params = sum(w.params for w in weights)
@@ -248,7 +322,7 @@ def budget_recipe(model: Any, base: Recipe, rows: Sequence[torch.Tensor], bits_p
     if progress:
         print(f"budget: measuring each weight's sensitivity to {', '.join(LINEAR_FORMATS)} (embedding: "
               f"{', '.join(EMBEDDING_FORMATS)})", file=sys.stderr, flush=True)
-    sens, tokens = measure_sensitivity(model, rows, weights, base.scheme.activation.bits)
+    sens, tokens = measure_sensitivity(model, rows, weights, base.scheme.activation.bits, parts)
     options = {w.path: [Option(f, layer_size(w, f, base).bits, sens[w.path][f]) for f in formats_of(w)]
                for w in weights}
     chosen = allocate(options, bits_per_weight * params)

@@ -180,8 +180,8 @@ def auto_parts(cfg: Any, available: int | None = None, *, whole: bool = False) -
     One part, the whole model loaded (the flow and the artifact of a model of one part), where
     its float32 weights take at most PART_BYTES and WHOLE_FACTOR times them fit the usable
     memory (Qwen2.5-Coder-0.5B, 2.5 GB of float32 weights as npuq holds them, peaked at 4.7 GB
-    quantizing 16a8w whole), or where ``whole`` (the run needs the whole model: a size budget,
-    sequential calibration, SeqMSE/GPTQ on a GPU) and it fits. Otherwise parts, streamed: the fewest runs
+    quantizing 16a8w whole), or where ``whole`` (the run needs the whole model: sequential
+    calibration, SeqMSE/GPTQ on a GPU) and it fits. Otherwise parts, streamed: the fewest runs
     of layers whose float32 weights take at most PART_BYTES each (a quarter of the usable memory
     where that is less), the embedding table counted with the first part and the final norm
     and head with the last, as even as that count allows; a part holding a table larger than
@@ -216,21 +216,15 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     recipe, documents = check_quantize(o)
     max_context = o.context if o.context > 4096 else None
     cfg = model_config(o.model, max_context)
-    # A size budget and sequential calibration run on the whole model's forward; SeqMSE/GPTQ on
-    # a GPU visits it whole where it fits (in parts it runs on the CPU, as streaming does).
-    needs_whole = (o.bits_per_weight is not None or o.calibration_mode != "onepass"
-                   or (o.recovery is not None and not is_cpu(ctx.device)))
+    # Sequential calibration runs the whole model token by token; SeqMSE/GPTQ on a GPU visit it
+    # whole where it fits (in parts they run on the CPU, as streaming does).
+    needs_whole = o.calibration_mode != "onepass" or (o.recovery is not None and not is_cpu(ctx.device))
     layout = None if o.parts else auto_parts(cfg, whole=needs_whole)
     parts = o.parts or len(layout)
-    if parts > 1:
-        why = "" if o.parts else (f"it does not fit this machine's memory whole, so it is quantized in {parts} parts, "
-                                  "and ")
-        steps = [(what, fix) for what, fix, on in (
-            ("a size budget", "drop --bits-per-weight", o.bits_per_weight is not None),
-            ("sequential calibration", "use --calibration-mode onepass", o.calibration_mode != "onepass")) if on]
-        if steps:
-            raise NpuqError(f"{o.model}: {why}a model quantized in parts takes one-pass calibration without "
-                            f"{' or '.join(what for what, _ in steps)} for now: {'; '.join(fix for _, fix in steps)}")
+    if parts > 1 and o.calibration_mode != "onepass":
+        why = "" if o.parts else f"it does not fit this machine's memory whole, so it is quantized in {parts} parts, and "
+        raise NpuqError(f"{o.model}: {why}a model quantized in parts takes one-pass calibration for now: use "
+                        "--calibration-mode onepass")
     if parts > cfg.num_layers:
         raise NpuqError(f"--parts {parts}: the model has {cfg.num_layers} layers, so at most {cfg.num_layers} parts")
     layout = layout or even_parts(cfg.num_layers, parts)
@@ -260,7 +254,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     if o.bits_per_weight is not None:  # the formats, measured on the weights as calibrated (rotated)
         with ctx.scope(o.phase):
             recipe, budget = budget_recipe(loaded.model, recipe, split_windows(tokens, o.context).rows(),
-                                           o.bits_per_weight, progress=ctx.progress)
+                                           o.bits_per_weight, progress=ctx.progress, parts=layout)
     recovery = None
     if o.recovery is not None:  # SeqMSE/GPTQ on each part as quantize_model reads it
         weights_sha256()  # the recovery writes its rounded weights in place: the hash first
