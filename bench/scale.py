@@ -16,6 +16,11 @@ resident memory (the kernel's maximum RSS) and exit status:
     export          npuq export --artifact out/scale/<size>-16a8w --soc SM8650 (--shards auto:
                     shards of at most 3.5 GiB of weights), to out/scale/<size>-onnx
     eval-onnx       npuq eval --onnx out/scale/<size>-onnx (part by part)
+    generate-onnx   npuq generate --onnx out/scale/<size>-onnx, 4 new tokens (the parts that fit
+                    memory stay loaded, the others are read again at each step)
+    quantize-4bit   npuq quantize --model DIR --scheme 16a4w_block (LPBQ, 4-bit weights)
+                    --calib-tokens 1024 --context 512, to out/scale/<size>-16a4w_block; not in
+                    the default runs
 
     .venv/bin/python bench/scale.py --sizes 3b,7b --json out/bench/scale.json
 
@@ -147,7 +152,7 @@ def main() -> None:
     parser.add_argument("--whole", default=None,
                         help="sizes whose eval-whole run is made (default: every size; a model that fits takes "
                              "its float32 size in memory)")
-    parser.add_argument("--runs", default="info,eval-stream,eval-whole,quantize,export,eval-onnx",
+    parser.add_argument("--runs", default="info,eval-stream,eval-whole,quantize,export,eval-onnx,generate-onnx",
                         help="comma-separated runs to make (default: all; see above)")
     parser.add_argument("--parts", default="auto", help="--parts of the quantize run (default auto)")
     parser.add_argument("--json", default="out/bench/scale.json", help="where the result goes")
@@ -167,15 +172,17 @@ def main() -> None:
             runs["eval-stream"] = timed([*evaluate, "--stream"])
         if "eval-whole" in chosen and (args.whole is None or size in args.whole.split(",")):
             runs["eval-whole"] = timed(evaluate)
-        if "quantize" in chosen:
-            artifact = Path(args.root) / f"{size}-16a8w"
-            runs["quantize"] = timed([*npuq, "quantize", "--model", str(folder), "--scheme", "16a8w",
-                                      "--calib-tokens", "1024", "--context", "512", "--parts", args.parts,
-                                      "--out", str(artifact), "--force", "--json", "-"])
-            if runs["quantize"]["returncode"] == 0:
+        for run, scheme in (("quantize", "16a8w"), ("quantize-4bit", "16a4w_block")):
+            if run not in chosen:
+                continue
+            artifact = Path(args.root) / f"{size}-{scheme}"
+            runs[run] = timed([*npuq, "quantize", "--model", str(folder), "--scheme", scheme,
+                               "--calib-tokens", "1024", "--context", "512", "--parts", args.parts,
+                               "--out", str(artifact), "--force", "--json", "-"])
+            if runs[run]["returncode"] == 0:
                 files = [f for f in artifact.rglob("*") if f.is_file()]
-                runs["quantize"]["artifact_gib"] = round(sum(f.stat().st_size for f in files) / 2**30, 2)
-                runs["quantize"]["largest_file_gib"] = round(max(f.stat().st_size for f in files) / 2**30, 2)
+                runs[run]["artifact_gib"] = round(sum(f.stat().st_size for f in files) / 2**30, 2)
+                runs[run]["largest_file_gib"] = round(max(f.stat().st_size for f in files) / 2**30, 2)
         artifact, exported = Path(args.root) / f"{size}-16a8w", Path(args.root) / f"{size}-onnx"
         if "export" in chosen:
             runs["export"] = timed([*npuq, "export", "--artifact", str(artifact), "--soc", "SM8650", "--out",
@@ -187,6 +194,9 @@ def main() -> None:
         if "eval-onnx" in chosen:
             runs["eval-onnx"] = timed([*npuq, "eval", "--onnx", str(exported), "--max-tokens", str(args.eval_tokens),
                                        "--json", "-"])
+        if "generate-onnx" in chosen:
+            runs["generate-onnx"] = timed([*npuq, "generate", "--onnx", str(exported), "--prompt",
+                                           "def fibonacci(n):", "--max-new-tokens", "4", "--json", "-"])
         per_b = facts["parameters"] / 1e9
         for run in runs.values():
             run["seconds_per_billion_parameters"] = round(run["seconds"] / per_b, 1)

@@ -293,22 +293,18 @@ def cmd_info(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     # loaded on use (torch): --help stays fast
-    from npuq.models import load_model
+    from npuq.models import open_model
     from npuq.runtime.generate import generate
 
     ctx = _context_of(args)
     graphs, context, prefill_len = None, args.context, args.prefill_len
     if args.artifact or args.onnx:
-        # loaded on use (torch): --help stays fast
-        from npuq.pipeline.programs import open_programs
-
-        programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider).to(ctx.device)
+        programs, loaded = _open_graphs(args, ctx)
         # the graphs' shapes fix the context and the prefill length
         graphs, context, prefill_len = programs.graphs, programs.context, max(programs.graphs)
-        loaded = load_model(programs.model_source)
     else:  # cheap checks before the model loads (the graphs fix their own)
         _check_fits(args.context, prefill_len=args.prefill_len, max_new_tokens=args.max_new_tokens)
-        loaded = load_model(args.model)
+        loaded = open_model(args.model)  # streamed where it does not fit: each step reads every block
     result = generate(loaded, args.prompt, max_new_tokens=args.max_new_tokens, context=context,
                       prefill_len=prefill_len, graphs=graphs, ctx=ctx)
     print(args.prompt + result.text)
@@ -371,11 +367,11 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 def _open_graphs(args: argparse.Namespace, ctx: Any, context: int | None = None) -> tuple[Any, Any]:
     """(the --artifact / --onnx graphs on ctx's device, the float model they were made from) with
     the prefill phase's threads planned on that model; a --context beyond the graphs' is refused
-    before the model loads. Without --kl-divergence, a model too large for memory, or one whose
-    graphs run part by part, is opened streamed (no weights read) and the thread counts are not
-    timed."""
+    before the model loads. A model too large for memory, or without --kl-divergence one whose
+    graphs run part by part, is opened streamed (no weights read until a float forward reads
+    them block by block) and the thread counts are not timed."""
     # loaded on use (torch): --help stays fast
-    from npuq.models import load_model, model_config, model_fits, open_streamed
+    from npuq.models import StreamedDecoder, open_model
     from npuq.pipeline.programs import open_programs
 
     programs = open_programs(artifact=args.artifact, onnx=args.onnx, provider=args.provider)
@@ -383,14 +379,12 @@ def _open_graphs(args: argparse.Namespace, ctx: Any, context: int | None = None)
         raise NpuqError(f"--context {context} exceeds the {programs.context} tokens the graphs were built "
                         f"for: use --context {programs.context} or less")
     max_context = max(programs.context, 4096)
-    # graphs run part by part hold one part: the whole float model beside them would undo that
+    # Graphs run part by part hold one part: the whole float model beside them, wanted only to
+    # time the thread counts, would undo that. The divergence needs the float logits.
     in_turn = all(getattr(g, "in_turn", False) for g in programs.graphs.values())
-    if getattr(args, "kl_divergence", False) or (
-            not in_turn and model_fits(model_config(programs.model_source, max_context))):
-        loaded = load_model(programs.model_source, max_context=max_context)
-        planned_on = loaded.model
-    else:  # wanted only to time the thread counts: its tokenizer, the counts kept
-        loaded, planned_on = open_streamed(programs.model_source, max_context=max_context), None
+    stream = None if getattr(args, "kl_divergence", False) else (True if in_turn else None)
+    loaded = open_model(programs.model_source, max_context=max_context, stream=stream)
+    planned_on = None if isinstance(loaded.model, StreamedDecoder) else loaded.model
     programs.to(ctx.device)
     ctx.plan_model(planned_on, ("prefill",), programs.context, max(programs.graphs))
     return programs, loaded
@@ -537,7 +531,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="greedy text generation through the static prefill/decode graphs",
                        description="Run the static graphs the way a device runner does: prefill in "
-                                   "AR-N chunks, then AR-1 decode steps writing the KV cache.")
+                                   "AR-N chunks, then AR-1 decode steps writing the KV cache. A model too "
+                                   "large for memory still runs, slower: a float --model streamed (each step "
+                                   "reads every block and runs the whole sequence so far); --artifact / --onnx "
+                                   "in parts keep the parts that fit loaded and read the others again at each "
+                                   "step.")
     _add_model(p)
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=_pos_int, default=32, metavar="N", help="tokens to generate (default 32)")

@@ -224,3 +224,39 @@ def test_bits_per_weight_redoes_quantize_and_the_report_shows_the_size(first_run
     assert "bits per weight" in html and "--bits-per-weight" in html
     q, e = report["perplexity"]["quantized"], report["perplexity"]["exported"]
     assert abs(e["word_perplexity"] / q["word_perplexity"] - 1) < 0.01  # the chosen formats export as quantized
+
+
+def test_a_run_in_parts_measures_what_the_whole_model_run_measures(first_run, inputs, tmp_path):
+    """--parts 2: every stage runs the artifact's parts (the layers stage records each part's
+    linear layers) and finds the one-part run's per-layer errors and perplexities."""
+    _, whole = first_run
+    assert main(argv(inputs, tmp_path / "parts", "--parts", "2", "--json", str(tmp_path / "parts.json"))) == 0
+    parts = json.loads((tmp_path / "parts.json").read_text())
+    assert (tmp_path / "parts" / "artifact" / "part-2-of-2").is_dir()
+    assert parts["layers"] == whole["layers"]
+    for row in ("float", "quantized", "exported"):
+        assert parts["perplexity"][row]["word_perplexity"] == whole["perplexity"][row]["word_perplexity"], row
+    assert [g["quantized"] for g in parts["generations"]] == [g["quantized"] for g in whole["generations"]]
+
+
+def test_a_model_too_large_for_memory_runs_streamed_with_the_same_scores(first_run, inputs, tmp_path, monkeypatch):
+    """Where the float model does not fit, the run streams it (one block resident at a time): the
+    float perplexity, the divergence of the quantized graphs from it and the float generations
+    are the resident run's; threads are not timed and the per-layer errors not measured, and the
+    report says so."""
+    import functools
+
+    import npuq.pipeline.job as job
+    from npuq.models import open_model
+
+    _, whole = first_run
+    monkeypatch.setattr(job, "open_model", functools.partial(open_model, stream=True))  # as if it did not fit
+    assert main(argv(inputs, tmp_path / "streamed", "--json", str(tmp_path / "streamed.json"))) == 0
+    streamed = json.loads((tmp_path / "streamed.json").read_text())
+    for row in ("float", "quantized", "exported"):
+        for key in ("word_perplexity", "kld_mean", "top1_agreement"):
+            assert streamed["perplexity"][row].get(key) == whole["perplexity"][row].get(key), (row, key)
+    assert [g["float"] for g in streamed["generations"]] == [g["float"] for g in whole["generations"]]
+    assert streamed["threads"]["sweeps"] == [] and streamed["layers"]["layers"] == []
+    html = (tmp_path / "streamed" / "report.html").read_text()
+    assert "Not measured: the float model did not fit memory" in html and "Not timed" in html

@@ -326,3 +326,29 @@ def test_cli_quantizes_in_parts_with_gptq_as_it_does_whole(tmp_path):
         _by_name(json.loads((tmp_path / "p1" / "encodings.json").read_text()))
     scores = [json.loads((tmp_path / f"e{p}.json").read_text())["word_perplexity"] for p in ("1", "2")]
     assert scores[0] == scores[1]
+
+
+def test_generate_runs_an_artifact_too_large_for_memory_part_by_part(tmp_path, monkeypatch):
+    """Where neither the artifact's parts nor the float model fit memory, `generate --artifact`
+    reads each part at every step and the float model only for its tokenizer: the same tokens as
+    the parts held together."""
+    import npuq.quantize.artifact as artifact
+    import npuq.runtime.runner as runner
+
+    folder = save_tiny_hf_folder(tmp_path / "qwen2", "qwen2", seed=6)
+    assert main(["quantize", "--model", str(folder), "--scheme", "16a8w", "--calib-tokens", "64", "--context", "16",
+                 "--parts", "2", "--num-threads", "1", "--out", str(tmp_path / "art")]) == 0
+    generate = ["generate", "--artifact", str(tmp_path / "art"), "--prompt", "w5 w17 w3 w42 w8", "--max-new-tokens",
+                "6", "--num-threads", "1"]
+    assert main([*generate, "--json", str(tmp_path / "held.json")]) == 0
+    reads = []
+    monkeypatch.setattr(artifact, "available_memory", lambda: 0)  # the parts do not fit: in turn
+    monkeypatch.setattr(runner, "available_memory", lambda: 0)  # no room to keep one: each read at every step
+    monkeypatch.setattr(artifact, "_load_part", lambda *a, _load=artifact._load_part: reads.append(a[2]) or _load(*a))
+    assert main([*generate, "--json", str(tmp_path / "in_turn.json")]) == 0
+    held, in_turn = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("held", "in_turn"))
+    assert in_turn["token_ids"] == held["token_ids"] and len(held["token_ids"]) == 6
+    assert in_turn["prompt_tokens"] == held["prompt_tokens"] == 5  # the tiny Qwen2 folder's word-level tokenizer
+    # the prompt's prefill chunks (the last one padded), then a decode step per token after the first
+    prefill_len = read_artifact(tmp_path / "art").programs["prefill"].ar_len
+    assert reads == [0, 1] * (-(-5 // prefill_len) + 5)

@@ -30,7 +30,7 @@ from npuq.models.config import ModelConfig
 from npuq.optimize.rotate import rotate_as
 from npuq.quant.graph import attr_tensor
 from npuq.runtime.context import ExecutionContext
-from npuq.runtime.runner import StaticRunner
+from npuq.runtime.runner import PartChain, StaticRunner, release
 
 LINEAR = torch.ops.aten.linear.default
 
@@ -122,23 +122,53 @@ def layer_errors(
             h.remove()
 
     quantized: dict[str, list[torch.Tensor]] = {}
-    StaticRunner(cfg, {k: (lambda *a, gm=gm: _Recorder(gm, quantized).run(*a)) for k, gm in graphs.items()},
-                 context).feed(ids)
+    StaticRunner(cfg, {k: _recording(g, quantized) for k, g in graphs.items()}, context).feed(ids)
 
-    weights = linear_weights(graphs[prefill])
     floats = dict(model.named_modules())
+    weight_sqnr = {}
+    for program in _parts(graphs[prefill]):  # one part read at a time (a chain in turn releases each)
+        for path, weight in linear_weights(_module(program)).items():
+            weight_sqnr[path] = sqnr_db(floats[path].weight, weight)
+        if isinstance(graphs[prefill], PartChain) and graphs[prefill].in_turn:
+            release(program)
     errors = []
     for path, outs in quantized.items():
         refs = reference.get(path)
         if refs is None or len(refs) != len(outs):
             raise ValueError(f"{path}: {len(outs)} quantized calls but {len(refs or [])} float ones")
-        weight = weights.get(path)
-        errors.append(LayerError(
-            path,
-            sqnr_db(torch.cat([r.flatten() for r in refs]), torch.cat([o.flatten() for o in outs])),
-            None if weight is None else sqnr_db(floats[path].weight, weight),
-        ))
+        errors.append(LayerError(path, sqnr_db(torch.cat([r.flatten() for r in refs]),
+                                               torch.cat([o.flatten() for o in outs])), weight_sqnr.get(path)))
     return errors
+
+
+def _parts(program: Any) -> tuple[Any, ...]:
+    return program.programs if isinstance(program, PartChain) else (program,)
+
+
+def _module(program: Any) -> GraphModule:
+    """The GraphModule a program runs (an artifact's part read on demand: read now)."""
+    read = getattr(program, "graph_module", None)
+    return program if read is None else read()
+
+
+class _Recording:
+    """A program (or a chain of parts, part by part) run by :class:`_Recorder`: what the runner
+    calls, keeping every linear node's output in ``outputs``."""
+
+    def __init__(self, program: Any, outputs: dict[str, list[torch.Tensor]]):
+        self.program, self.outputs = program, outputs
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        return _Recorder(_module(self.program), self.outputs).run(*args)
+
+    def release(self) -> None:
+        release(self.program)
+
+
+def _recording(program: Any, outputs: dict[str, list[torch.Tensor]]) -> Any:
+    if isinstance(program, PartChain):
+        return PartChain(program.layers, [_Recording(p, outputs) for p in program.programs], in_turn=program.in_turn)
+    return _Recording(program, outputs)
 
 
 def worst(errors: Sequence[LayerError], n: int = 5) -> list[LayerError]:

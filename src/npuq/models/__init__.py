@@ -21,7 +21,7 @@ from npuq.models.weights import Checkpoint
 from npuq.resources import USABLE_FRACTION, available_memory, gib
 
 __all__ = ["BUILTINS", "LoadedModel", "ModelConfig", "StaticDecoder", "StreamedDecoder", "load_model", "build_decoder",
-           "model_info", "open_streamed", "layer_bytes"]
+           "model_info", "open_model", "open_streamed", "layer_bytes"]
 
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -243,6 +243,15 @@ def open_streamed(spec: str, max_context: int | None = None, progress: bool = Fa
         _convert(path, entry, max_context)
     cached = _load_cached(spec, path, entry, max_context, stream=True, progress=progress)
     return cached if cached is not None else load_model(spec, max_context)
+
+
+def open_model(spec: str, max_context: int | None = None, stream: bool | None = None) -> LoadedModel:
+    """``spec`` loaded whole (:func:`load_model`) where its float32 weights fit the memory this
+    process may use, else streamed (:func:`open_streamed`, one block resident at a time);
+    ``stream`` True or False decides instead."""
+    if stream is None:
+        stream = not model_fits(model_config(spec, max_context))
+    return open_streamed(spec, max_context=max_context) if stream else load_model(spec, max_context=max_context)
 
 
 def model_fits(cfg: ModelConfig) -> bool:

@@ -343,14 +343,31 @@ def hf_tokenizer(folder: Path) -> Callable[[], Any]:
 
     def tokenizer():
         # transformers (0.7 s) loads only when a config or tokenizer is read with it
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         try:
+            if _generic_tokenizer(folder):
+                return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
             return AutoTokenizer.from_pretrained(folder, local_files_only=True)
         except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
             raise ModelLoadError(f"{folder}: cannot load the tokenizer ({exc}); add tokenizer.json") from None
 
     return tokenizer
+
+
+# The tokenizer_class of a tokenizer saved as its tokenizer.json alone, which names no model's
+# tokenizer. transformers 5's AutoTokenizer takes the config's model type instead (a Qwen2 folder
+# gets Qwen2Tokenizer, which rebuilds a byte-level BPE: a word-level tokenizer.json then encodes
+# every text to no tokens), so such a folder is read as its tokenizer.json says.
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _generic_tokenizer(folder: Path) -> bool:
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (folder / "tokenizer.json").is_file() and config.get("tokenizer_class") in GENERIC_TOKENIZERS
 
 
 # --------------------------------------------------------------------------- GGUF

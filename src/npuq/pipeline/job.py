@@ -33,7 +33,7 @@ from npuq.eval.perplexity import EvalResult
 from npuq.eval.stage import EvalInputs, run_eval
 from npuq.fsio import atomic_dir, write_json, write_text
 from npuq.lower.export import ExportResult, export_artifact
-from npuq.models import ModelDescription, load_model
+from npuq.models import ModelDescription, StreamedDecoder, open_model
 from npuq.models.sources import resolve
 from npuq.pipeline.programs import Programs, open_programs
 from npuq.pipeline.stages import RunDir
@@ -100,8 +100,10 @@ class Job:
 
     @functools.cached_property
     def loaded(self) -> Any:
-        """The float model as loaded, once and only if a stage has to be built; no stage changes it."""
-        return load_model(self.options.model, max_context=max(self.options.quantize.context, 4096))
+        """The float model as loaded, once and only if a stage has to be built; no stage changes it.
+        Streamed where it does not fit memory (one block resident at a time): then the threads
+        are not timed and the layers stage is not measured (docs/design.md §13)."""
+        return open_model(self.options.model, max_context=max(self.options.quantize.context, 4096))
 
     @property
     def tokenizer(self) -> Any:
@@ -188,6 +190,8 @@ class Job:
         options, ctx = self.options.layers, self.ctx.on("cpu")
 
         def build(_folder: Path) -> LayersResult:
+            if isinstance(self.loaded.model, StreamedDecoder):  # no resident float layers to hook
+                return LayersResult(0, ())
             programs = self.artifact_programs()
             inputs = LayersInputs(self.tokenizer, self.loaded.model, self.results["quantize"].rotation,
                                   programs.graphs, programs.config, programs.context)

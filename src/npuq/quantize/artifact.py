@@ -449,8 +449,12 @@ class _ProgramOnDemand:
         self.part, self.kind = part, kind
         self.tokens_shape = (entry.batch or 1, entry.ar_len)  # what npuq.runtime.runner.tokens_shape reads
 
+    def graph_module(self) -> GraphModule:
+        """The program, read now if its part is not loaded."""
+        return self.part.program(self.kind)
+
     def __call__(self, *args: torch.Tensor) -> Any:
-        return self.part.program(self.kind)(*args)
+        return self.graph_module()(*args)
 
     def release(self) -> None:
         self.part.release()

@@ -190,6 +190,8 @@ def render_html(report: dict[str, Any]) -> str:
         [[g["prompt"], g["float"], g["quantized"], f"{g['same_tokens']}/{g['tokens']}"] for g in gens])])
     lay = report["layers"]
     layers = Section("Quantization error per layer", [
+        "Not measured: the float model did not fit memory and ran streamed, block by block."] if not lay["layers"]
+        else [
         Figure(layers_figure(lay["layers"], lay["worst"]),
                f"{len(lay['layers'])} linear layers, {lay['tokens']} tokens of held-out text"),
         Table(["layer", "weight SQNR (dB)", "output SQNR (dB)"],
@@ -213,6 +215,8 @@ def render_html(report: dict[str, Any]) -> str:
     th = report["threads"]
     sweeps = [TuneResult.from_dict(s) for s in th["sweeps"]]
     threads = Section("Threads", [
+        f"Not timed: the float model did not fit memory and ran streamed; every phase ran at "
+        f"{max(th['plan'].values())} threads."] if not sweeps else [
         Figure(figure_png(sweep_figure(sweeps, f"ceiling {th['ceiling']} threads")), "ms per step; the chosen count is ringed"),
         Table(["phase", "threads", "ms per step", "× default"],
               [[s.phase, s.best, None if s.best_seconds is None else s.best_seconds * 1e3, s.speedup_vs_default]

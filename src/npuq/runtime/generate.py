@@ -6,9 +6,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
+
 from npuq.errors import NpuqError
+from npuq.models.stream import StreamedDecoder
 from npuq.runtime.context import ExecutionContext
-from npuq.runtime.runner import StaticRunner
+from npuq.runtime.runner import StaticRunner, forward_logits
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,14 @@ def generate(
     of the same shapes. ``ctx`` (default: the CPU, automatic threads): the device where the
     runner keeps its cache and inputs (without ``graphs`` the float model moves there in
     place; given ``graphs`` must already be there) and the prefill and decode thread counts.
+
+    A streamed float model (:class:`npuq.models.stream.StreamedDecoder`, a model that does not
+    fit memory) has no KV cache: without ``graphs`` each step runs the whole sequence so far
+    through it, one block resident at a time (the cached run's logits within fp32 rounding);
+    with ``graphs`` it gives only its tokenizer and config. Its threads are not timed.
     """
     cfg, model = loaded.config, loaded.model
+    streamed = isinstance(model, StreamedDecoder)
     if context > model.max_context:
         raise NpuqError(f"--context {context} exceeds what the model was prepared for ({model.max_context})")
     if prefill_len > context:
@@ -60,12 +69,15 @@ def generate(
             f"context of {context}: raise --context or shorten the prompt / --max-new-tokens"
         )
     ctx = ctx or ExecutionContext.create("cpu")
-    if graphs is None:
-        graphs = {1: model.to(ctx.device), prefill_len: model}
-    prefill_len = max(graphs)
-    runner = StaticRunner(cfg, graphs, context, device=ctx.device)
+    if graphs is None and streamed:
+        runner = _WholeSequence(model.to(ctx.device))
+    else:
+        if graphs is None:
+            graphs = {1: model.to(ctx.device), prefill_len: model}
+        prefill_len = max(graphs)
+        runner = StaticRunner(cfg, graphs, context, device=ctx.device)
     eos = cfg.eos_token_id
-    plan = ctx.plan_model(model, ("prefill", "decode"), context, prefill_len)
+    plan = ctx.plan_model(None if streamed else model, ("prefill", "decode"), context, prefill_len)
 
     start = time.perf_counter()
     with ctx.scope("prefill"):
@@ -85,6 +97,19 @@ def generate(
         tokens_per_second=steps / decode_seconds if steps and decode_seconds > 0 else 0.0,
         threads=plan.threads["decode"], thread_plan=plan.to_dict(), device=str(runner.device),
     )
+
+
+class _WholeSequence:
+    """A streamed model fed like a :class:`StaticRunner`: each feed runs every token so far
+    from an empty cache (the model has none) and returns the logits of the new ones."""
+
+    def __init__(self, model: StreamedDecoder):
+        self.model, self.ids, self.device = model, [], torch.device("cpu")
+
+    def feed(self, token_ids: Sequence[int]) -> torch.Tensor:
+        self.ids += list(token_ids)
+        logits = forward_logits(self.model, torch.tensor([self.ids]))
+        return logits[:, len(self.ids) - len(token_ids):]
 
 
 @dataclass(frozen=True)

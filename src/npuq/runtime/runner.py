@@ -33,6 +33,7 @@ import torch
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
 from npuq.models.decoder import MASK_VALUE, StaticDecoder
+from npuq.resources import USABLE_FRACTION, available_memory
 
 # A graph takes (tokens, mask, positions, K caches, V caches) and returns (logits, K news, V news).
 # A graph whose caches hold quantized codes (an exported ONNX graph) says what an empty slot
@@ -274,13 +275,26 @@ class PartChain:
 
     ``in_turn``: :func:`run_programs` runs such chains part by part instead (:func:`run_in_turn`),
     releasing each part's programs (their ``release()``, where they have one) before the next
-    part runs, so a scoring run holds one part in memory, not the model."""
+    part runs, so a scoring run holds one part in memory, not the model. Called as one program
+    (every generation step needs every part), such a chain keeps a part loaded only while
+    memory allows (:meth:`stays`): the parts that do not fit are read again at each call."""
 
     def __init__(self, layers: Sequence[tuple[int, int]], programs: Sequence[Any], in_turn: bool = False):
         if len(layers) != len(programs) or not layers:
             raise ValueError(f"{len(programs)} programs for {len(layers)} parts")
         self.layers, self.programs, self.in_turn = tuple(layers), tuple(programs), in_turn
         self.num_layers = self.layers[-1][1]
+        self.resident: dict[int, bool] = {}  # in turn: part → kept loaded between calls (decided on its first call)
+        self._largest = 0  # bytes: the most memory one part's first call took
+
+    def stays(self, footprint: int) -> bool:
+        """Whether a part whose first call took ``footprint`` bytes of available memory
+        (its programs read, its weights dequantized, its activations), stays loaded: while this
+        process may still use twice the largest part's footprint, room to read another part the
+        size of the largest beside it. Decided once per part, so the kept parts stay kept and the
+        others are read at each call; the logits are the same either way."""
+        self._largest = max(self._largest, footprint)
+        return USABLE_FRACTION * available_memory() > 2 * self._largest
 
     @property
     def empty_cache(self) -> tuple[float, ...] | None:
@@ -299,9 +313,15 @@ class PartChain:
             raise ValueError(f"expected {2 * L} cache tensors (K then V per layer), got {len(caches)}")
         k_out: list[torch.Tensor] = []
         v_out: list[torch.Tensor] = []
-        for (first, end), program in zip(self.layers, self.programs):
+        for k, ((first, end), program) in enumerate(zip(self.layers, self.programs)):
             n = end - first
+            before = available_memory() if self.in_turn and k not in self.resident else 0
             out = program(x, mask, positions, *caches[first:end], *caches[L + first : L + end])
+            if self.in_turn:
+                if k not in self.resident:
+                    self.resident[k] = self.stays(max(0, before - available_memory()))
+                if not self.resident[k]:
+                    release(program)
             x = out[0]
             k_out += out[1 : 1 + n]
             v_out += out[1 + n : 1 + 2 * n]
@@ -351,10 +371,15 @@ def run_in_turn(cfg: ModelConfig, chains: dict[int, PartChain], context: int, to
             rows.append(StaticRunner(cfg, turns, context, device=tokens.device).feed(row.tolist()))
             received[r] = {ar: t.outputs for ar, t in turns.items()}
         for c in chains.values():
-            release = getattr(c.programs[k], "release", None)
-            if release is not None:
-                release()
+            release(c.programs[k])
     return torch.cat(rows, dim=0)
+
+
+def release(program: Any) -> None:
+    """Drop what a program read on demand (its ``release()``, where it has one)."""
+    drop = getattr(program, "release", None)
+    if drop is not None:
+        drop()
 
 
 def tokens_shape(program: Any) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from npuq.errors import NpuqError
+from npuq.models.stream import StreamedDecoder
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.workloads import PHASES, phase_workload
 from npuq.threads import TuneResult, cpu_limits, tune_cached
@@ -69,8 +70,13 @@ class ThreadsResult:
 def run_threads(options: ThreadsOptions, model: torch.nn.Module, ctx: ExecutionContext) -> ThreadsResult:
     """Tune ``options.phases`` on the float ``model`` (a StaticDecoder) up to the CPUs this
     process may use now (affinity mask and cgroup quota); the candidates' times go to stderr
-    when ``ctx.progress``."""
+    when ``ctx.progress``. A streamed model is not timed: every phase gets the user's count, else
+    the ceiling, and no sweeps."""
     limits = cpu_limits()
+    if isinstance(model, StreamedDecoder):  # a model too large for memory: each timed step would read every weight
+        count = ctx.requested or limits.ceiling  # whole-window work is fastest on every core (docs/design.md §4)
+        return ThreadsResult(options.model, options.context, options.prefill_len, limits.affinity, limits.quota,
+                             limits.ceiling, dict.fromkeys(options.phases, count), ())
     if ctx.progress:
         print(f"ceiling {limits.ceiling} threads (affinity {limits.affinity} CPUs, cgroup quota "
               f"{limits.quota or 'none'})", file=sys.stderr)
