@@ -26,7 +26,7 @@ from npuq.lower.shards import plan_shards
 from npuq.quant.recipe import load_recipe
 from npuq.quantize.artifact import save_artifact
 from npuq.quantize.pt2e import even_parts, quantize_model
-from npuq.runtime.runner import PartChain, run_programs
+from npuq.runtime.runner import PartChain, StaticRunner, run_programs
 from npuq.testing.tiny import save_tiny_hf_folder, tiny_decoder
 
 CONTEXT, PREFILL = 16, 4
@@ -74,11 +74,24 @@ def _logits(folder, tokens, in_turn=None):
     return run_programs(manifest.cfg, graphs, manifest.context, tokens)
 
 
+def _stepped_without_room(folder, tokens, monkeypatch):
+    """Each row fed through the export's chains called as one program (a generation step), with
+    no memory to keep a part loaded: each part's session opens and closes at every call."""
+    import npuq.runtime.runner as runner
+
+    manifest, graphs = load_export(folder)
+    with monkeypatch.context() as m:
+        m.setattr(runner, "available_memory", lambda: 0)
+        rows = [StaticRunner(manifest.cfg, graphs, manifest.context).feed(row.tolist()) for row in tokens]
+    assert all(not kept for g in graphs.values() for kept in g.resident.values())
+    return torch.cat(rows)
+
+
 def _unnamed(entries):
     return {json.dumps({k: v for k, v in e.items() if k != "name"}, sort_keys=True) for e in entries}
 
 
-def test_shards_compute_the_unsharded_export_bit_for_bit(artifacts, tmp_path):
+def test_shards_compute_the_unsharded_export_bit_for_bit(artifacts, tmp_path, monkeypatch):
     whole, parts, L = artifacts
     export_artifact(whole, tmp_path / "one", TARGET)
     tokens = torch.randint(3, 256, (2, 14), generator=torch.Generator().manual_seed(1))  # prefill chunks + decode steps
@@ -107,6 +120,8 @@ def test_shards_compute_the_unsharded_export_bit_for_bit(artifacts, tmp_path):
                     assert before.dtype == "uint16" and before.encoding.bits == 16
             for in_turn in (True, False):
                 assert torch.equal(_logits(out, tokens, in_turn), expected), (shards, in_turn)
+            if shards == L:  # as generation calls them: every part at each step, none kept loaded
+                assert torch.equal(_stepped_without_room(out, tokens, monkeypatch), expected)
         # the weights' encodings are the unsharded export's (compared as sets without names: a part's
         # program numbers its nodes afresh, the shard prefixes them with the part, and each part
         # holds its own copy of a constant several parts read, such as a RoPE table)
