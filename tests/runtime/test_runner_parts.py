@@ -7,7 +7,7 @@ import torch
 
 import npuq.runtime.runner as runner
 from npuq.resources import USABLE_FRACTION
-from npuq.runtime.runner import PartChain
+from npuq.runtime.runner import PartChain, Residency
 
 
 class _Part:
@@ -32,9 +32,10 @@ class _Part:
             self.memory[0] += self.size
 
 
-def _chain(memory, sizes, in_turn=True):
+def _chain(memory, sizes, in_turn=True, residency=None):
     layers = [(i, i + 1) for i in range(len(sizes))]
-    return PartChain(layers, [_Part(memory, *l, s) for l, s in zip(layers, sizes)], in_turn=in_turn)
+    return PartChain(layers, [_Part(memory, *l, s) for l, s in zip(layers, sizes)], in_turn=in_turn,
+                     residency=residency)
 
 
 def _call(chain):
@@ -67,3 +68,22 @@ def test_without_room_every_part_is_released_after_each_call(monkeypatch):
         _call(chain)
     assert chain.resident == {0: False, 1: False, 2: False}
     assert [p.reads for p in chain.programs] == [2, 2, 2] and memory == [150]
+
+
+def test_the_chains_of_one_model_share_the_largest_footprint(monkeypatch):
+    """A decode chain whose parts the prefill chain measured does not start over: a part that
+    costs little to read (its weights already held) stays only while twice the largest part
+    measured by either chain still fits."""
+    memory = [0]
+    monkeypatch.setattr(runner, "available_memory", lambda: memory[0])
+    residency = Residency()
+    memory[0] = int(3 * 100 / USABLE_FRACTION) + 1  # room for one part and then twice the largest
+    prefill = _chain(memory, [100, 100], residency=residency)
+    _call(prefill)
+    assert prefill.resident == {0: True, 1: False} and residency.largest == 100
+    decode = _chain(memory, [30, 30], residency=residency)  # cheap beside the prefill chain's
+    _call(decode)
+    assert decode.resident == {0: False, 1: False}
+    alone = _chain(memory, [30, 30])  # measured on its own, it would have kept both
+    _call(alone)
+    assert alone.resident == {0: True, 1: True}

@@ -40,7 +40,7 @@ from npuq.errors import NpuqError
 from npuq.lower.manifest import GraphEntry, IOEncoding, IOEntry, Manifest, PartRef, read_manifest, shard_tag
 from npuq.lower.onnx_writer import IR_VERSION
 from npuq.lower.shards import HIDDEN_PREFIX, part_io_names
-from npuq.runtime.runner import PartChain
+from npuq.runtime.runner import PartChain, Residency
 
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 PROVIDERS = ("cpu", "htp")
@@ -323,7 +323,9 @@ def load_export(folder: str | os.PathLike, provider: str = "cpu", htp_arch: int 
                                                    on_release=weights.clear)))
     if manifest.shards is None and not by_part:
         return manifest, {ar: steps[0][1] for ar, steps in chains.items()}
-    return manifest, {ar: PartChain([layers for layers, _ in steps], [g for _, g in steps], in_turn=True)
+    residency = Residency()  # the graphs of one ar_len and the other read the same parts
+    return manifest, {ar: PartChain([layers for layers, _ in steps], [g for _, g in steps], in_turn=True,
+                                    residency=residency)
                       for ar, steps in chains.items()}
 
 

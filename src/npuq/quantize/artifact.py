@@ -54,7 +54,7 @@ from npuq.calibrate.encodings import encodings_json, read_encodings
 from npuq.quantize.graphfile import WEIGHTS_FILE, read_program, read_weights, tensor_bytes, write_programs
 from npuq.quantize.passes import fold_constant_dequant, simplify_qdq
 from npuq.quantize.pt2e import QuantizedModel, QuantizedPart, check_parts
-from npuq.runtime.runner import PartChain, tokens_shape
+from npuq.runtime.runner import PartChain, Residency, tokens_shape
 from npuq.optimize.budget import RECIPE_FILE, BudgetReport
 from npuq.optimize.recovery import RecoverySummary
 from npuq.quant.recipe import Recipe
@@ -491,7 +491,9 @@ def load_artifact(folder: str | os.PathLike, fold_constants: bool = True, scorin
     elif in_turn:
         parts = [_PartOnDemand(path, config, k, kinds, fold_constants) for k in range(len(config.parts))]
         layers = [p.layers for p in config.parts]
-        programs = {kind: PartChain(layers, [_ProgramOnDemand(p, kind, config.programs[kind]) for p in parts], in_turn=True)
+        residency = Residency()  # the kinds read the same parts
+        programs = {kind: PartChain(layers, [_ProgramOnDemand(p, kind, config.programs[kind]) for p in parts],
+                                    in_turn=True, residency=residency)
                     for kind in kinds}
     else:
         per_part = [_load_part(path, config, k, kinds, fold_constants) for k in range(len(config.parts))]

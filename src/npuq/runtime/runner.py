@@ -33,7 +33,7 @@ import torch
 from npuq.errors import NpuqError
 from npuq.models.config import ModelConfig
 from npuq.models.decoder import MASK_VALUE, StaticDecoder
-from npuq.resources import USABLE_FRACTION, available_memory
+from npuq.resources import USABLE_FRACTION, available_memory, release_freed_memory
 
 # A graph takes (tokens, mask, positions, K caches, V caches) and returns (logits, K news, V news).
 # A graph whose caches hold quantized codes (an exported ONNX graph) says what an empty slot
@@ -277,24 +277,17 @@ class PartChain:
     releasing each part's programs (their ``release()``, where they have one) before the next
     part runs, so a scoring run holds one part in memory, not the model. Called as one program
     (every generation step needs every part), such a chain keeps a part loaded only while
-    memory allows (:meth:`stays`): the parts that do not fit are read again at each call."""
+    memory allows (:class:`Residency`, shared by the chains of one model): the parts that do not
+    fit are read again at each call."""
 
-    def __init__(self, layers: Sequence[tuple[int, int]], programs: Sequence[Any], in_turn: bool = False):
+    def __init__(self, layers: Sequence[tuple[int, int]], programs: Sequence[Any], in_turn: bool = False,
+                 residency: Residency | None = None):
         if len(layers) != len(programs) or not layers:
             raise ValueError(f"{len(programs)} programs for {len(layers)} parts")
         self.layers, self.programs, self.in_turn = tuple(layers), tuple(programs), in_turn
         self.num_layers = self.layers[-1][1]
+        self.residency = residency or Residency()
         self.resident: dict[int, bool] = {}  # in turn: part → kept loaded between calls (decided on its first call)
-        self._largest = 0  # bytes: the most memory one part's first call took
-
-    def stays(self, footprint: int) -> bool:
-        """Whether a part whose first call took ``footprint`` bytes of available memory
-        (its programs read, its weights dequantized, its activations), stays loaded: while this
-        process may still use twice the largest part's footprint, room to read another part the
-        size of the largest beside it. Decided once per part, so the kept parts stay kept and the
-        others are read at each call; the logits are the same either way."""
-        self._largest = max(self._largest, footprint)
-        return USABLE_FRACTION * available_memory() > 2 * self._largest
 
     @property
     def empty_cache(self) -> tuple[float, ...] | None:
@@ -319,13 +312,31 @@ class PartChain:
             out = program(x, mask, positions, *caches[first:end], *caches[L + first : L + end])
             if self.in_turn:
                 if k not in self.resident:
-                    self.resident[k] = self.stays(max(0, before - available_memory()))
+                    self.resident[k] = self.residency.stays(max(0, before - available_memory()))
                 if not self.resident[k]:
                     release(program)
+                    release_freed_memory()  # back to the system now: the next part's footprint is its own
             x = out[0]
             k_out += out[1 : 1 + n]
             v_out += out[1 + n : 1 + 2 * n]
         return (x, *k_out, *v_out)
+
+
+class Residency:
+    """Which parts of a model run in turn stay loaded when every call needs every part (a
+    generation step), shared by the model's chains (its prefill and decode graphs read the same
+    weights). A part's footprint is the available memory its first call took (its programs read,
+    weights dequantized, buffers); it stays while this process may still use twice the largest
+    footprint seen, room to read another part that size beside it. Decided once per part, so
+    the kept parts stay and the others are read again at each call (released, and the memory
+    handed back to the system, after each); the logits are the same either way."""
+
+    def __init__(self) -> None:
+        self.largest = 0  # bytes
+
+    def stays(self, footprint: int) -> bool:
+        self.largest = max(self.largest, footprint)
+        return USABLE_FRACTION * available_memory() > 2 * self.largest
 
 
 class _PartTurn:
