@@ -268,8 +268,9 @@ def guard_model_memory(cfg: ModelConfig, source: str) -> None:
         raise NpuqError(
             f"{source}: the model needs {gib(needed)} as float32 but only {gib(available)} of memory is available "
             f"(at most {USABLE_FRACTION:.0%} of it is used): it does not fit this machine whole. 'npuq info' reads "
-            "shapes only, and 'npuq eval --model ... --stream' scores it block by block; for the other commands "
-            "use a machine with more memory")
+            "shapes only, 'npuq eval --model ... --stream' scores it block by block, and quantize (one-pass "
+            "calibration, on the CPU), export, generate and run stream it on their own; what was asked here needs "
+            "it whole: use a machine with more memory")
 
 
 def load_tokenizer(spec: str) -> Any:
