@@ -5,6 +5,7 @@ same encodings as an uninterrupted run."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -244,13 +245,10 @@ def test_a_model_too_large_for_memory_runs_streamed_with_the_same_scores(first_r
     float perplexity, the divergence of the quantized graphs from it and the float generations
     are the resident run's; threads are not timed and the per-layer errors not measured, and the
     report says so."""
-    import functools
-
     import npuq.pipeline.job as job
-    from npuq.models import open_model
 
-    _, whole = first_run
-    monkeypatch.setattr(job, "open_model", functools.partial(open_model, stream=True))  # as if it did not fit
+    out, whole = first_run
+    monkeypatch.setattr(job, "model_fits", lambda cfg: False)  # as if it did not fit (quantize streams on its own)
     assert main(argv(inputs, tmp_path / "streamed", "--json", str(tmp_path / "streamed.json"))) == 0
     streamed = json.loads((tmp_path / "streamed.json").read_text())
     for row in ("float", "quantized", "exported"):
@@ -260,3 +258,8 @@ def test_a_model_too_large_for_memory_runs_streamed_with_the_same_scores(first_r
     assert streamed["threads"]["sweeps"] == [] and streamed["layers"]["layers"] == []
     html = (tmp_path / "streamed" / "report.html").read_text()
     assert "Not measured: the float model did not fit memory" in html and "Not timed" in html
+    # in the resident run's folder, only the stages that measure a streamed model differently redo
+    shutil.copytree(out, tmp_path / "again")
+    assert main(argv(inputs, tmp_path / "again", "--json", str(tmp_path / "again.json"))) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert {s["stage"] for s in again["stages"] if not s["cached"]} == {"threads", "layers"}

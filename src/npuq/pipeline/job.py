@@ -33,7 +33,7 @@ from npuq.eval.perplexity import EvalResult
 from npuq.eval.stage import EvalInputs, run_eval
 from npuq.fsio import atomic_dir, write_json, write_text
 from npuq.lower.export import ExportResult, export_artifact
-from npuq.models import ModelDescription, StreamedDecoder, open_model
+from npuq.models import ModelDescription, model_config, model_fits, open_model
 from npuq.models.sources import resolve
 from npuq.pipeline.programs import Programs, open_programs
 from npuq.pipeline.stages import RunDir
@@ -103,7 +103,17 @@ class Job:
         """The float model as loaded, once and only if a stage has to be built; no stage changes it.
         Streamed where it does not fit memory (one block resident at a time): then the threads
         are not timed and the layers stage is not measured (docs/design.md §13)."""
-        return open_model(self.options.model, max_context=max(self.options.quantize.context, 4096))
+        return open_model(self.options.model, max_context=self.max_context, stream=self.streamed)
+
+    @property
+    def max_context(self) -> int:
+        return max(self.options.quantize.context, 4096)
+
+    @functools.cached_property
+    def streamed(self) -> bool:
+        """Whether the float model is streamed (it does not fit memory): from its config alone,
+        so the stages that measure it differently say so in their keys before it loads."""
+        return not model_fits(model_config(self.options.model, self.max_context))
 
     @property
     def tokenizer(self) -> Any:
@@ -148,7 +158,7 @@ class Job:
         options = self.options.threads
         limits = cpu_limits()  # the CPUs this process may use now: a new taskset or quota is a new plan
         cpus = {"ceiling": limits.ceiling, "affinity": limits.affinity, "quota": limits.quota, "model": cpu_model()}
-        key = record_key(options, self.keys["model"], cpus, torch.__version__)
+        key = record_key(options, self.keys["model"], cpus, torch.__version__, *(["streamed"] if self.streamed else []))
         return key, lambda _folder: run_threads(options, self.loaded.model, self.ctx), ThreadsResult
 
     def quantize(self) -> tuple[str, Callable[[Path], QuantizeResult], type]:
@@ -190,14 +200,14 @@ class Job:
         options, ctx = self.options.layers, self.ctx.on("cpu")
 
         def build(_folder: Path) -> LayersResult:
-            if isinstance(self.loaded.model, StreamedDecoder):  # no resident float layers to hook
+            if self.streamed:  # no resident float layers to hook
                 return LayersResult(0, ())
             programs = self.artifact_programs()
             inputs = LayersInputs(self.tokenizer, self.loaded.model, self.results["quantize"].rotation,
                                   programs.graphs, programs.config, programs.context)
             return run_layers(options, inputs, ctx)
 
-        return record_key(options, self.keys["quantize"]), build, LayersResult
+        return record_key(options, self.keys["quantize"], *(["streamed"] if self.streamed else [])), build, LayersResult
 
     def generations(self) -> tuple[str, Callable[[Path], GenerationsResult], type]:
         options, ctx = self.options.generations, self.ctx.on("cpu")
