@@ -65,8 +65,9 @@ def test_flags_that_must_fit_the_context(capsys, tmp_path, monkeypatch, argv, me
     def no_model(*args, **kwargs):
         raise AssertionError("the flags are checked before any model loads")
 
-    for module in (npuq.models, npuq.quantize.stage, npuq.pipeline.job):  # each module that calls it
-        monkeypatch.setattr(module, "load_model", no_model)
+    for module, name in ((npuq.models, "load_model"), (npuq.quantize.stage, "load_model"),
+                         (npuq.pipeline.job, "open_model")):  # each module that loads one
+        monkeypatch.setattr(module, name, no_model)
     if argv[0] in ("quantize", "run"):
         argv = [*argv, "--out", str(tmp_path / "o")]
     assert cli.main(argv) == 2

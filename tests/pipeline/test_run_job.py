@@ -5,7 +5,6 @@ same encodings as an uninterrupted run."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -240,14 +239,15 @@ def test_a_run_in_parts_measures_what_the_whole_model_run_measures(first_run, in
     assert [g["quantized"] for g in parts["generations"]] == [g["quantized"] for g in whole["generations"]]
 
 
-def test_a_model_too_large_for_memory_runs_streamed_with_the_same_scores(first_run, inputs, tmp_path, monkeypatch):
+def test_a_model_too_large_for_memory_runs_streamed_with_the_same_scores(inputs, tmp_path, monkeypatch):
     """Where the float model does not fit, the run streams it (one block resident at a time): the
     float perplexity, the divergence of the quantized graphs from it and the float generations
     are the resident run's; threads are not timed and the per-layer errors not measured, and the
     report says so."""
     import npuq.pipeline.job as job
 
-    out, whole = first_run
+    assert main(argv(inputs, tmp_path / "resident", "--json", str(tmp_path / "resident.json"))) == 0
+    whole = json.loads((tmp_path / "resident.json").read_text())
     monkeypatch.setattr(job, "model_fits", lambda cfg: False)  # as if it did not fit (quantize streams on its own)
     assert main(argv(inputs, tmp_path / "streamed", "--json", str(tmp_path / "streamed.json"))) == 0
     streamed = json.loads((tmp_path / "streamed.json").read_text())
@@ -259,7 +259,6 @@ def test_a_model_too_large_for_memory_runs_streamed_with_the_same_scores(first_r
     html = (tmp_path / "streamed" / "report.html").read_text()
     assert "Not measured: the float model did not fit memory" in html and "Not timed" in html
     # in the resident run's folder, only the stages that measure a streamed model differently redo
-    shutil.copytree(out, tmp_path / "again")
-    assert main(argv(inputs, tmp_path / "again", "--json", str(tmp_path / "again.json"))) == 0
+    assert main(argv(inputs, tmp_path / "resident", "--json", str(tmp_path / "again.json"))) == 0
     again = json.loads((tmp_path / "again.json").read_text())
     assert {s["stage"] for s in again["stages"] if not s["cached"]} == {"threads", "layers"}
