@@ -382,7 +382,7 @@ def _open_graphs(args: argparse.Namespace, ctx: Any, context: int | None = None)
     # Graphs run part by part hold one part: the whole float model beside them, wanted only to
     # time the thread counts, would undo that. The divergence needs the float logits.
     in_turn = all(getattr(g, "in_turn", False) for g in programs.graphs.values())
-    stream = None if getattr(args, "kl_divergence", False) else (True if in_turn else None)
+    stream = True if in_turn and not getattr(args, "kl_divergence", False) else None
     loaded = open_model(programs.model_source, max_context=max_context, stream=stream)
     planned_on = None if isinstance(loaded.model, StreamedDecoder) else loaded.model
     programs.to(ctx.device)

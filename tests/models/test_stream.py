@@ -149,8 +149,10 @@ def test_write_safetensors_is_read_back_by_safetensors_itself(tmp_path):
 
 def test_a_streamed_model_generates_what_the_resident_model_generates(folder):
     """A model too large for memory generates streamed: each step runs the whole sequence so far
-    block by block (no cache). Its logits are the cached run's within fp32 rounding, so the
-    greedy tokens agree on a tiny model whose top logits are not tied (checked per step)."""
+    block by block (no cache). Its logits are the cached run's within fp32 rounding (~1e-6 at
+    these logits' scale of ~3), so the greedy tokens agree wherever a step's two top logits lie
+    further apart: on these tiny models at least 2e-3 (qwen3), in words of the tiny vocabulary (an
+    unknown word is id 0, the padding row, whose zero embedding gives all-zero logits)."""
     from npuq.runtime.generate import generate
 
     _, folder = folder
@@ -158,8 +160,8 @@ def test_a_streamed_model_generates_what_the_resident_model_generates(folder):
     streamed = open_streamed(str(folder), max_context=64)
     torch.set_num_threads(1)
     kwargs = dict(max_new_tokens=6, context=64, prefill_len=4)
-    expected = generate(resident, "The quick brown fox", **kwargs)
-    got = generate(streamed, "The quick brown fox", **kwargs)
+    expected = generate(resident, "w5 w17 w3 w42", **kwargs)
+    got = generate(streamed, "w5 w17 w3 w42", **kwargs)
     assert got.prompt_tokens == expected.prompt_tokens
     # where the EOS token ends the cached run early, the streamed one ends at the same place
     assert got.token_ids == expected.token_ids

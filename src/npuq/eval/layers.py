@@ -126,11 +126,10 @@ def layer_errors(
 
     floats = dict(model.named_modules())
     weight_sqnr = {}
-    for program in _parts(graphs[prefill]):  # one part read at a time (a chain in turn releases each)
+    for program in _parts(graphs[prefill]):  # one part read at a time (one read on demand is dropped after)
         for path, weight in linear_weights(_module(program)).items():
             weight_sqnr[path] = sqnr_db(floats[path].weight, weight)
-        if isinstance(graphs[prefill], PartChain) and graphs[prefill].in_turn:
-            release(program)
+        release(program)
     errors = []
     for path, outs in quantized.items():
         refs = reference.get(path)
@@ -167,7 +166,8 @@ class _Recording:
 
 def _recording(program: Any, outputs: dict[str, list[torch.Tensor]]) -> Any:
     if isinstance(program, PartChain):
-        return PartChain(program.layers, [_Recording(p, outputs) for p in program.programs], in_turn=program.in_turn)
+        return PartChain(program.layers, [_Recording(p, outputs) for p in program.programs], in_turn=program.in_turn,
+                         residency=program.residency)  # the decode and prefill chains still decide together
     return _Recording(program, outputs)
 
 

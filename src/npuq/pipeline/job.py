@@ -116,6 +116,12 @@ class Job:
         return not model_fits(model_config(self.options.model, self.max_context))
 
     @property
+    def streamed_tag(self) -> tuple[str, ...]:
+        """What the keys of the stages that measure a streamed model differently add (nothing for
+        a resident one, so its keys are those of runs before streaming)."""
+        return ("streamed",) if self.streamed else ()
+
+    @property
     def tokenizer(self) -> Any:
         """The model's tokenizer, kept when the float model is released."""
         if self._tokenizer is None:
@@ -158,7 +164,7 @@ class Job:
         options = self.options.threads
         limits = cpu_limits()  # the CPUs this process may use now: a new taskset or quota is a new plan
         cpus = {"ceiling": limits.ceiling, "affinity": limits.affinity, "quota": limits.quota, "model": cpu_model()}
-        key = record_key(options, self.keys["model"], cpus, torch.__version__, *(["streamed"] if self.streamed else []))
+        key = record_key(options, self.keys["model"], cpus, torch.__version__, *self.streamed_tag)
         return key, lambda _folder: run_threads(options, self.loaded.model, self.ctx), ThreadsResult
 
     def quantize(self) -> tuple[str, Callable[[Path], QuantizeResult], type]:
@@ -207,7 +213,7 @@ class Job:
                                   programs.graphs, programs.config, programs.context)
             return run_layers(options, inputs, ctx)
 
-        return record_key(options, self.keys["quantize"], *(["streamed"] if self.streamed else [])), build, LayersResult
+        return record_key(options, self.keys["quantize"], *self.streamed_tag), build, LayersResult
 
     def generations(self) -> tuple[str, Callable[[Path], GenerationsResult], type]:
         options, ctx = self.options.generations, self.ctx.on("cpu")
