@@ -10,7 +10,9 @@ offsets within 1 code: see the comment in the test) except these, per attention 
 
 Their *masked* entries differ by construction: in the full forward they are products with
 future keys (then pushed down by the mask), in a decode step products with empty cache slots
-(zeros). Their content depends on the cache length; every other tensor's does not.
+(zeros). Their content depends on the cache length; every other tensor's does not. So does
+the mask's requantization into the mask add, whose range is derived from the scores'
+(npuq.quant.specs.layer_mask_spec).
 """
 
 import functools
@@ -22,7 +24,7 @@ from npuq.calibrate.engines import calibrate_onepass, calibrate_sequential
 from npuq.testing.transfer import copy_observer_state
 from npuq.calibrate.split import split_windows
 from npuq.testing.tiny import tiny_decoder
-from npuq.quant.graph import MATMUL, SOFTMAX
+from npuq.quant.graph import DATA_MOVERS, MASK_INPUT, MATMUL, SOFTMAX
 from npuq.quant.observers import is_observer
 from npuq.quantize.pt2e import prepare_graph
 from npuq.quant.recipe import RECIPES
@@ -82,6 +84,22 @@ def score_path_nodes(gm):
     return excluded
 
 
+def _mask_edges(gm, excluded):
+    """Observer nodes that requantize the mask into an excluded (mask) add."""
+    edges = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not is_observer(gm.get_submodule(node.target)):
+            continue
+        src = node.args[0]
+        if not (src.op == "call_module" and all(u in excluded for u in node.users)):
+            continue  # not an input-edge requantization into the score path
+        while src.op == "call_module" or (src.op == "call_function" and src.target in DATA_MOVERS):
+            src = src.args[0]
+        if src.op == "placeholder" and src.name == MASK_INPUT:
+            edges.add(node.name)
+    return edges
+
+
 def _encodings(gm):
     out = []
     for node in gm.graph.nodes:
@@ -99,10 +117,12 @@ def test_onepass_equals_sequential(arch):
     layers = a.meta.get("num_layers") or sum(1 for n in a.graph.nodes if n.target in SOFTMAX)
     assert {n.name.split("_")[0] for n in excluded} == {"matmul", "mul", "view", "add", "to"}
     assert len(excluded) == 5 * layers, names
+    mask_edges = _mask_edges(a, excluded)
+    assert len(mask_edges) == layers, mask_edges
     compared = 0
     for (name_a, node_a, scale_a, zp_a), (name_b, node_b, scale_b, zp_b) in zip(_encodings(a), _encodings(b), strict=True):
         assert (name_a, node_a.name) == (name_b, node_b.name)
-        if node_a in excluded:
+        if node_a in excluded or name_a in mask_edges:
             continue
         rel = ((scale_a - scale_b).abs() / scale_b).max().item()
         assert rel <= 1e-5, f"{node_a.name}: scale differs by {rel:.2e} relative"

@@ -15,6 +15,7 @@ device-specific code is the StaticRunner tested below, is not run on it.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -121,16 +122,27 @@ def test_calibration_on_the_device_gives_the_cpu_encodings(lazy, calibration):
 
 def test_quantized_programs_run_on_the_device(lazy, calibration):
     """The converted programs moved with QuantizedModel.to: their baked-in device checks follow
-    (without that, every dtype cast raises "Tensor device mismatch! Expected: cpu")."""
+    (without that, every dtype cast raises "Tensor device mismatch! Expected: cpu"). The lazy
+    backend runs the same ops in fp32 with its own kernels, so before each requantization its
+    values lie within rounding error of the CPU's (FLOAT_DIFF_TYPICAL codes, tests/qdq_noise.py)
+    and now and then one rounds to the neighbouring code: the logits may differ by what
+    qdq_noise.bounded_rms allows for that, from the program's own rounding noise. (Measured:
+    RMS 1.6e-5 against a bound of 3.4e-4; 52 of 1536 logits differ, by 8.6e-5 at most; a score grid 10x finer since the masked
+    entries left the softmax input's range made such flips likelier than the 1e-6 this test
+    asked before.)"""
+    from qdq_noise import FLOAT_DIFF_TYPICAL, bounded_rms, rms, without_activation_rounding
+
     _, _, cpu = calibration
     qm = copy.deepcopy(cpu)
     qm.decode, qm.prefill = fold_constant_dequant(qm.decode), fold_constant_dequant(qm.prefill)  # as load_artifact does
     tokens = _tokens((1, 6), seed=2)
     expected = qm.logits(tokens)
+    ideal = dataclasses.replace(qm, decode=without_activation_rounding(qm.decode),
+                                prefill=without_activation_rounding(qm.prefill)).logits(tokens)
     code = qm.decode.code
     logits = qm.to(lazy).logits(tokens.to(lazy))
     assert logits.device == lazy
-    assert torch.allclose(logits.cpu(), expected, atol=1e-6)
+    assert rms(logits.cpu() - expected) <= bounded_rms(rms(expected - ideal) ** 2, 0.0, FLOAT_DIFF_TYPICAL, 0.0)
     assert qm.to("cpu").decode.code == code  # moving back restores the graph exactly
     assert torch.equal(qm.logits(tokens), expected)
 

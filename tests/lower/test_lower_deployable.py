@@ -16,6 +16,7 @@ from npuq.lower.aimet import merge_encodings
 from npuq.lower.export import ExportOptions, export_artifact
 from npuq.lower.manifest import read_manifest
 from npuq.lower.ort import context_use, htp_session, load_export, qnn_available
+from npuq.models.decoder import MASK_VALUE
 from test_lower_export import _quantize
 
 needs_qnn = pytest.mark.skipif(qnn_available() is not None, reason=str(qnn_available()))
@@ -182,7 +183,7 @@ def _feeds(session, manifest, kind, seed=0):
         elif spec.encoding is not None:
             feeds[spec.name] = rng.integers(spec.encoding.qmin, spec.encoding.qmax + 1, shape).astype(spec.dtype)
         else:
-            feeds[spec.name] = np.where(rng.random(shape) < 0.3, -255.0, 0.0).astype(spec.dtype)
+            feeds[spec.name] = np.where(rng.random(shape) < 0.3, MASK_VALUE, 0.0).astype(spec.dtype)
     return feeds
 
 

@@ -18,6 +18,7 @@ from npuq.lower import genai
 from npuq.lower.export import ExportOptions, export_artifact
 from npuq.lower.manifest import read_manifest
 from npuq.lower.ort import cpu_session, load_export, qnn_available
+from npuq.models.decoder import MASK_VALUE
 from npuq.testing.tiny import save_tiny_hf_folder
 from npuq.runtime.runner import StaticRunner
 
@@ -265,7 +266,7 @@ def test_windowed_graphs_keep_the_npuq_graphs_outputs(folders, tmp_path):
         for x, y in zip(a.get_inputs(), b.get_inputs()):
             shape = [int(d) for d in x.shape]
             if x.name == "mask":
-                value = np.where(rng.random(shape) < 0.3, -255.0, 0.0).astype(np.float32)
+                value = np.where(rng.random(shape) < 0.3, MASK_VALUE, 0.0).astype(np.float32)
             elif x.name in ("tokens", "positions"):
                 value = rng.integers(0, CONTEXT, shape).astype(np.int32)
             else:

@@ -32,10 +32,11 @@ from torch import nn
 from npuq.errors import ModelLoadError
 from npuq.models.config import ModelConfig, RopeConfig
 
-# Additive mask value. Large enough that exp(score + MASK_VALUE) vanishes for any realistic
-# attention score; small enough that a 16-bit encoding of "scores + mask" keeps a fine step
-# (docs/design.md §9: -1e4 forces a coarse u16 step on the Add output).
-MASK_VALUE = -255.0
+# Additive mask value: a masked entry is a score plus this, below every real score of its row
+# however large the scores (Qwen2's first layer reaches 1.3e4); the largest float16 magnitude,
+# so an app may build the mask in half precision. The quantized "scores + mask" is encoded on
+# the scores' range, not on this (docs/design.md §9, npuq.quant.specs.masked_scores_spec).
+MASK_VALUE = -65504.0
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

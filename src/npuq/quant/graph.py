@@ -151,6 +151,23 @@ def source_through_movers(node: Node) -> Node:
     return node
 
 
+MASK_INPUT = "mask"  # the additive attention mask input of every model and part graph
+
+
+def is_mask_add_operand(node: object) -> bool:
+    """The attention mask input, or a view of it (the sliding-window mask is a slice of it)."""
+    if not isinstance(node, Node):
+        return False
+    src = source_through_movers(node)
+    return src.op == "placeholder" and src.name == MASK_INPUT
+
+
+def is_mask_add(node: Node) -> bool:
+    """``scores + mask``: an add one of whose operands is the attention mask input."""
+    return node.op == "call_function" and node.target == aten.add.Tensor and any(
+        is_mask_add_operand(a) for a in node.args[:2])
+
+
 def kv_output_roots(gm: GraphModule, num_layers: int) -> list[Node]:
     """For each K/V output (k_new_0.., v_new_0..): the op that computed it (RoPE add for K,
     the V projection for V) — the start of the KV path of docs/design.md §1."""

@@ -11,6 +11,9 @@ What each op gets (docs/design.md §1; "act" is the activation format of the op'
                     pcq8/pcq4: table int8/int4 symmetric per row (axis 0), output act
     RoPE tables     gathered like a shared embedding (the cos/sin tables are static)
     softmax, silu, gelu, add, mul, neg, cat, ...   inputs and output act
+    scores + mask   output: the scores' range widened below by a margin; the mask requantized
+                    to [-width of that range, 0], so a masked entry saturates under every real
+                    score of its row (npuq.quant.specs.masked_scores_spec, layer_mask_spec)
     data movers     (view, transpose, slice, to, ...) output shares the input's encoding
     KV cache        cache input and cache concat take the new entries' encoding (derived from
                     their observer; cache contents are never observed), so KV input encoding =
@@ -33,13 +36,18 @@ from npuq.errors import NpuqError
 from npuq.quant import graph as g
 from npuq.quant.recipe import Recipe, RecipePlan
 from npuq.quant.schemes import INT16_SYM, PerBlock, PerChannel, TensorFormat
-from npuq.quant.specs import activation_spec, bias_spec, copied_spec, weight_spec
+from npuq.quant.specs import (
+    activation_spec, bias_spec, copied_spec, layer_mask_spec, masked_scores_spec, weight_spec,
+)
 
 Q_ANNOTATION_KEY = "quantization_annotation"
 
 
-def _annotate(node: Node, inputs: dict, output) -> None:
-    node.meta[Q_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=inputs, output_qspec=output, _annotated=True)
+def _annotate(node: Node, inputs: dict, output, implicit_sharing: bool = True) -> None:
+    """``implicit_sharing``: PT2E may give an input edge its producer's observer where their
+    specs agree in dtype and range (a derived spec always does: it must say False to get its own)."""
+    node.meta[Q_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=inputs, output_qspec=output, _annotated=True,
+                                                         allow_implicit_sharing=implicit_sharing)
 
 
 def model_layers(gm: GraphModule) -> list[tuple[str, str]]:
@@ -128,6 +136,12 @@ class HtpQuantizer(Quantizer):
                 _annotate(node, {weight: activation_spec(act, constant=True)}, out_spec)
             elif kind == "concat":
                 _annotate(node, {a: activation_spec(act) for a in node.args[0] if g.is_float_tensor(a)}, out_spec)
+            elif g.is_mask_add(node):  # the softmax input: the scores' range, masked entries below it
+                scores = next(a for a in float_args if not g.is_mask_add_operand(a))
+                mask = next(a for a in float_args if g.is_mask_add_operand(a))
+                where = g.module_path(node)
+                _annotate(node, {scores: SharedQuantizationSpec(scores), mask: layer_mask_spec(scores, node, out, where)},
+                          masked_scores_spec(scores, node, out, where), implicit_sharing=False)
             else:  # softmax, act_fn, elementwise
                 _annotate(node, {a: activation_spec(act) for a in float_args}, out_spec)
             out_fmt[node] = out
