@@ -135,7 +135,7 @@ def _masked_scores_qparams(observers: list, fmt: TensorFormat, where: str) -> tu
 
 
 def _layer_mask_qparams(observers: list, fmt: TensorFormat, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    scale, zp = _masked_scores_qparams(observers, fmt, where)
+    scale, _ = _masked_scores_qparams(observers, fmt, where)
     width = scale * (fmt.quant_max - fmt.quant_min)  # of the add's encoded range, which holds 0
     return _qparams(fmt, -width, torch.zeros_like(width))
 
