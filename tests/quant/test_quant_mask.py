@@ -19,12 +19,13 @@ code 0. Before the fix the masked share of each row with empty slots was ~1.
 """
 
 import copy
+import math
 
 import pytest
 import torch
 
 from npuq.calibrate.split import split_windows
-from npuq.models.decoder import MASK_VALUE
+from npuq.models.decoder import MASK_VALUE, rotate_half
 from npuq.quant import graph as g
 from npuq.quant.recipe import load_recipe
 from npuq.quant.specs import MAX_KEYS, masked_margin
@@ -111,9 +112,8 @@ def test_planted_scores_are_where_the_test_says():
     B, T, _ = x.shape
     q = attn.q_proj(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
     k = attn.k_proj(x).view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
-    rot = lambda t: torch.cat([-t[..., t.shape[-1] // 2:], t[..., : t.shape[-1] // 2]], dim=-1)
-    q = q * cos.unsqueeze(1) + rot(q) * sin.unsqueeze(1)
-    k = k * cos.unsqueeze(1) + rot(k) * sin.unsqueeze(1)
+    q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+    k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
     k = k.repeat_interleave(attn.n_heads // attn.n_kv, dim=1)
     s = (q @ k.transpose(-1, -2)) * attn.scale
     assert ((s - SCORE).abs() <= 0.1 * -SCORE).all(), (s.min().item(), s.max().item())
@@ -122,7 +122,6 @@ def test_planted_scores_are_where_the_test_says():
 def test_the_margin_leaves_masked_entries_under_half_a_softmax_step():
     """The arithmetic of masked_margin: MAX_KEYS entries each e^-margin of the row's largest
     weight sum to half a step of the softmax output's grid."""
-    import math
     for bits in (8, 16):
         step = 1 / (2**bits - 1)
         assert MAX_KEYS * math.exp(-masked_margin(bits)) == pytest.approx(step / 2, rel=1e-9)

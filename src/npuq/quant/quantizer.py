@@ -137,8 +137,8 @@ class HtpQuantizer(Quantizer):
             elif kind == "concat":
                 _annotate(node, {a: activation_spec(act) for a in node.args[0] if g.is_float_tensor(a)}, out_spec)
             elif g.is_mask_add(node):  # the softmax input: the scores' range, masked entries below it
-                scores = next(a for a in float_args if not g.is_mask_add_operand(a))
                 mask = next(a for a in float_args if g.is_mask_add_operand(a))
+                scores = next(a for a in float_args if a is not mask)
                 where = g.module_path(node)
                 _annotate(node, {scores: SharedQuantizationSpec(scores), mask: layer_mask_spec(scores, node, out, where)},
                           masked_scores_spec(scores, node, out, where), implicit_sharing=False)
