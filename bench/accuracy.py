@@ -76,6 +76,9 @@ for _recipe in ("16a4w", "16a4w_block", "16a4w_mixed"):
     for _rotate in (None, "r1", "r1+r2"):
         DOMAIN_CONFIGS.append(config(f"{_recipe} + SeqMSE + GPTQ" + (f", rotated {_rotate}" if _rotate else ""),
                                      _recipe, 50, rounding="gptq", inputs="quantized", act_order=True, rotate=_rotate))
+    # GPTAQ (--layer-inputs asymmetric): each layer fitted to the float model's output (issue #29 item 3)
+    DOMAIN_CONFIGS.append(config(f"{_recipe} + SeqMSE + GPTAQ, rotated r1", _recipe, 50, rounding="gptq",
+                                 inputs="asymmetric", act_order=True, rotate="r1"))
 
 CONFIGS = [
     config("16a8w", "16a8w"),

@@ -1,3 +1,3 @@
 """npuq: make Hugging Face decoder LLMs ready for fixed-point NPUs of the Qualcomm HTP class."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

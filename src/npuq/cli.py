@@ -206,9 +206,11 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                    help="GPTQ rounds the input columns of largest energy first (the published act-order "
                         "heuristic; the scales are fixed beforehand, so the format is unchanged) "
                         "(default: on with --weight-rounding gptq)")
-    p.add_argument("--layer-inputs", choices=("float", "quantized"), default=None,
+    p.add_argument("--layer-inputs", choices=("float", "quantized", "asymmetric"), default=None,
                    help="inputs SeqMSE and GPTQ fit each layer to: the quantized model's own, block by block, so "
-                        "each layer sees the rounding of all before it (default), or the float model's (one forward)")
+                        "each layer sees the rounding of all before it (default); the float model's (one forward); "
+                        "or asymmetric (GPTAQ): the quantized model's inputs, fitted to the float layer's output on "
+                        "the float model's inputs, so each layer also corrects the error of those before it")
     p.add_argument("--parts", type=_parts, default=None, metavar="N|auto",
                    help="quantize the model in N parts of consecutive decoder layers (as even in layers as N allows), "
                         "one after another, reading each part's weights from disk only while it is quantized, so the "

@@ -8,6 +8,7 @@ from npuq.optimize.driver import (
     WeightSpec,
     RecoveryOptions,
     optimize_weights,
+    asymmetric_target,
     sequential_groups,
 )
 from npuq.optimize.gptq import GptqOptions
@@ -41,7 +42,7 @@ def test_grams_are_shared_by_layers_reading_the_same_input(inputs):
     _, model = tiny_decoder("llama")
     names = _linears(model)
     windows = _windows(model.config.vocab_size)
-    groups = {tuple(group): gram for group, gram in sequential_groups(model, windows, names, inputs)}
+    groups = {tuple(group): gram for group, gram, _ in sequential_groups(model, windows, names, inputs)}
     assert sorted(n for group in groups for n in group) == sorted(names)
     assert ("layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj") in groups
     assert ("layers.0.self_attn.o_proj",) in groups and ("layers.0.mlp.down_proj",) in groups
@@ -82,15 +83,15 @@ def test_sequential_grams_equal_the_float_ones_while_nothing_is_rounded(arch):
     windows = _windows(model.config.vocab_size) + [torch.randint(0, model.config.vocab_size, (1, 7))]
     walked = list(sequential_groups(model, windows, names))
     order = []
-    for group, gram in walked:
+    for group, gram, _ in walked:
         ref = _forward_gram(model, group[0], windows)
         assert torch.allclose(gram.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), group
         order += group
     # Float inputs, all of a block's groups from one run: nothing is rounded here, so the very same
     # inputs and sums, bit for bit.
     float_groups = list(sequential_groups(model, windows, names, "float"))
-    assert [g for g, _ in float_groups] == [g for g, _ in walked]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(float_groups, walked))
+    assert [g for g, _, _ in float_groups] == [g for g, _, _ in walked]
+    assert all(torch.equal(a, b) for (_, a, _), (_, b, _) in zip(float_groups, walked))
     assert sorted(order) == sorted(names)
     assert order[:4] == ["layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj",
                          "layers.0.self_attn.o_proj"] and order[-1] == "lm_head"
@@ -101,11 +102,11 @@ def test_sequential_grams_see_the_rounding_of_every_earlier_group():
     _, reference = tiny_decoder("llama", seed=3)
     names = _linears(model)
     windows = _windows(model.config.vocab_size)
-    float_grams = {group[0]: gram for group, gram in sequential_groups(tiny_decoder("llama", seed=3)[1], windows, names,
+    float_grams = {group[0]: gram for group, gram, _ in sequential_groups(tiny_decoder("llama", seed=3)[1], windows, names,
                                                                         "float")}
     modules, ref_modules = dict(model.named_modules()), dict(reference.named_modules())
     seen = []
-    for group, gram in sequential_groups(model, windows, names):
+    for group, gram, _ in sequential_groups(model, windows, names):
         # Independent reference: a whole forward of a separate copy in which exactly the groups
         # before this one are rounded, the group's input captured by a hook.
         captured: list[torch.Tensor] = []
@@ -125,3 +126,63 @@ def test_sequential_grams_see_the_rounding_of_every_earlier_group():
         fg = float_grams[first]
         rel = ((gram - fg).norm() / fg.norm()).item()
         assert (rel < 1e-6) if i == 0 else (rel > 1e-4), (first, rel)
+
+
+def test_asymmetric_target_is_the_least_squares_weight():
+    # W* = W + W S H⁻¹ against an independent least-squares solve of X̃ Qᵀ ≈ X Wᵀ (damp 0), and
+    # the identity the driver rests on: ||X Wᵀ - X̃ Qᵀ||² - tr((W* - Q) H (W* - Q)ᵀ) is the same
+    # for every Q, so rounding W* under H minimises the asymmetric loss.
+    g = torch.Generator().manual_seed(0)
+    N, I, O = 400, 24, 10
+    xq = torch.randn(N, I, generator=g, dtype=torch.float64)
+    x = xq + 0.1 * torch.randn(N, I, generator=g, dtype=torch.float64)
+    w = torch.randn(O, I, generator=g, dtype=torch.float64)
+    gram, shift = xq.T @ xq, (x - xq).T @ xq
+    target = asymmetric_target(w.float(), gram, shift, damp=0.0).double()
+    reference = torch.linalg.lstsq(xq, x @ w.T).solution.T
+    assert (target - reference).abs().max() <= 1e-5 * reference.abs().max()  # float32 result
+    target = asymmetric_target(w, gram, shift, damp=0.0).double()
+
+    def gap(q):
+        direct = (x @ w.T - xq @ q.T).pow(2).sum()
+        e = target - q
+        return (direct - torch.einsum("oi,ij,oj->", e, gram, e)).item()
+
+    gaps = [gap(torch.randn(O, I, generator=g, dtype=torch.float64)) for _ in range(3)]
+    assert max(gaps) - min(gaps) <= 1e-4 * abs(gaps[0])  # float32 rounding of W* enters only here
+    assert torch.equal(asymmetric_target(w.float(), gram, torch.zeros_like(shift)), w.float())
+
+
+def test_asymmetric_walk_gives_each_group_its_float_input_shift():
+    _, model = tiny_decoder("llama", seed=3)
+    _, reference = tiny_decoder("llama", seed=3)
+    _, float_model = tiny_decoder("llama", seed=3)
+    names = _linears(model)
+    windows = _windows(model.config.vocab_size)
+    modules, ref_modules = dict(model.named_modules()), dict(reference.named_modules())
+    float_modules = dict(float_model.named_modules())
+
+    def inputs(mods, name):
+        captured: list[torch.Tensor] = []
+        h = mods[name].register_forward_pre_hook(lambda m, a: captured.append(a[0].reshape(-1, a[0].shape[-1])))
+        for w in windows:
+            forward_logits(mods[""], w)
+        h.remove()
+        return torch.cat(captured).double()
+
+    asym = sequential_groups(model, windows, names, "asymmetric")
+    shifts = []
+    for group, gram, shift in asym:
+        # Independent references: whole forwards of the float model and of a copy in which exactly
+        # the groups before this one are rounded.
+        xq, x = inputs(ref_modules, group[0]), inputs(float_modules, group[0])
+        ref_gram, ref_shift = xq.T @ xq, (x - xq).T @ xq
+        assert torch.allclose(gram.double(), ref_gram, rtol=1e-5, atol=1e-5 * ref_gram.abs().max().item()), group
+        assert shift.dtype == torch.float64
+        assert torch.allclose(shift, ref_shift, rtol=1e-4, atol=1e-5 * ref_gram.abs().max().item()), group
+        shifts.append(shift.norm().item() / gram.double().norm().item())
+        for n in group:
+            _rtn_(modules[n])
+            _rtn_(ref_modules[n])
+    # The first group reads the embedding, which nothing rounds: no shift; every later group's has one.
+    assert shifts[0] == 0.0 and min(shifts[1:]) > 1e-4, shifts

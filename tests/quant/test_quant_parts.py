@@ -274,13 +274,15 @@ def test_the_head_part_calibrates_a_window_at_a_time_with_the_same_encodings(mon
     ("gemma3", "16a4w", "gptq", "quantized", False),
     ("qwen2", "16a4w_block", "gptq", "quantized", False),
     ("llama", "16a4w", "nearest", "float", True),
+    ("qwen3", "16a4w", "gptq", "asymmetric", True),
 ])
 def test_seqmse_and_gptq_in_streamed_parts_equal_the_whole_model(arch, scheme, rounding, inputs, r1, calibration,
                                                                  tmp_path):
     """SeqMSE/GPTQ part by part (quantize_model's ``recover``) on a model streamed from disk one
     layer per part: the walk hands each part the hidden states the part before returned, so
     every layer's Gram, scales and codes are the whole model's, and so are the encodings and
-    the logits, bit for bit. Float layer inputs carry the float model's hidden states instead;
+    the logits, bit for bit. Float layer inputs carry the float model's hidden states instead
+(asymmetric ones both);
     R1 folds into each part as it is read (the tied llama head untied)."""
     folder = save_tiny_hf_folder(tmp_path / arch, arch, seed=4)
     resident = load_model(str(folder), max_context=64)

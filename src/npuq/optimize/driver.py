@@ -21,6 +21,14 @@ the lm head after the last block), so each group's Gram matrix is collected afte
 before it has been rounded and written back. A group's collection pass stops at the group's
 last input (a cheap exception), and each block's output is computed once, so the whole walk
 costs a few forwards, not one per layer.
+
+``inputs="asymmetric"`` (GPTAQ's asymmetric calibration, Li et al. 2025) fits each layer's
+quantized output on the quantized model's inputs X̃ to the float layer's output on the float
+model's inputs X: min_Q ||X Wᵀ - X̃ Qᵀ||². The walk then carries the float model's hidden states
+beside the quantized ones and gives each group the shift (X - X̃)ᵀ X̃ besides H = X̃ᵀ X̃. Since
+||X Wᵀ - X̃ Qᵀ||² = const + (W* - Q) H (W* - Q)ᵀ row by row, with W* = W + W (X - X̃)ᵀ X̃ H⁻¹ the
+least-squares target (:func:`asymmetric_target`), SeqMSE and GPTQ run unchanged on W* and H.
+Where no layer before has been rounded (X = X̃), W* = W and the result is the "quantized" one.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from npuq.optimize.seqmse import (
 from npuq.runtime.runner import step_inputs
 
 ROUNDINGS = ("nearest", "gptq")
-INPUTS = ("float", "quantized")
+INPUTS = ("float", "quantized", "asymmetric")
 MAX_BITS = 8  # codes are int8; wider weights (16-bit) round with an error far below 16-bit activations'
 
 
@@ -123,10 +131,13 @@ class _Stop(Exception):
 
 
 def _collect_all(
-    modules: dict[str, nn.Module], names: list[str], run: Callable[[int], object], n_windows: int
-) -> tuple[list[list[str]], list[torch.Tensor], list[object]]:
-    """Every group of ``names`` with its Gram matrix XᵀX (float64), and what ``run(w)`` returned
-    for each window, from one whole run per window: the inputs of the model as it stands.
+    modules: dict[str, nn.Module], names: list[str], run: Callable[[int], object], n_windows: int,
+    keep_inputs: bool = False, outputs: bool = True,
+) -> tuple[list[list[str]], list[torch.Tensor], list[object], dict[str, list[torch.Tensor]]]:
+    """Every group of ``names`` with its Gram matrix XᵀX (float64), what ``run(w)`` returned for
+    each window (``outputs``; else the run stops once every layer's input is seen, and the list is
+    empty), and with ``keep_inputs`` each group's input per window (float32, (tokens, I); keyed by
+    the group's first layer): from one run per window, the inputs of the model as it stands.
 
     Groups come in execution order; layers called right after each other on the very same
     tensor (q/k/v, gate/up) form one group and their input is counted once.
@@ -134,7 +145,8 @@ def _collect_all(
     group_of: dict[str, int] = {}
     groups: list[list[str]] = []
     grams: list[torch.Tensor] = []
-    last: dict[str, object] = {"input": None, "group": None}
+    inputs: dict[str, list[torch.Tensor]] = {}
+    last: dict[str, object] = {"input": None, "group": None, "seen": 0}
 
     def hook(name):
         def fn(_module, args):
@@ -151,17 +163,27 @@ def _collect_all(
             if not shared:
                 flat = x.detach().reshape(-1, x.shape[-1]).double()
                 grams[group_of[name]].addmm_(flat.T, flat)
+                if keep_inputs:
+                    inputs.setdefault(groups[group_of[name]][0], []).append(flat.float())
             last["input"], last["group"] = x, group_of[name]
+            last["seen"] += 1
+            if not outputs and last["seen"] == len(names):
+                raise _Stop
 
         return fn
 
     handles = [modules[n].register_forward_pre_hook(hook(n)) for n in names]
-    outputs = []
+    results = []
     try:
         for w in range(n_windows):
-            last["input"] = None
-            with torch.no_grad():
-                outputs.append(run(w))
+            last["input"], last["seen"] = None, 0
+            try:
+                with torch.no_grad():
+                    result = run(w)
+            except _Stop:
+                continue
+            if outputs:
+                results.append(result)
     finally:
         last["input"] = None
         for h in handles:
@@ -169,13 +191,16 @@ def _collect_all(
     missing = [n for n in names if n not in group_of]
     if missing:
         raise ValueError(f"layers never ran during calibration: {', '.join(missing[:3])}")
-    return groups, grams, outputs
+    return groups, grams, results, inputs
 
 
 def _collect_group(
-    modules: dict[str, nn.Module], pending: list[str], run: Callable[[int], object], n_windows: int
-) -> tuple[list[str], torch.Tensor]:
-    """The next group of ``pending`` layers to run and its Gram matrix XᵀX (float64).
+    modules: dict[str, nn.Module], pending: list[str], run: Callable[[int], object], n_windows: int,
+    reference: dict[str, list[torch.Tensor]] | None = None,
+) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:
+    """The next group of ``pending`` layers to run, its Gram matrix X̃ᵀX̃ (float64) and, given
+    ``reference`` (the float model's input X of each group per window, keyed by its first layer),
+    the shift (X - X̃)ᵀX̃ (float64; else None).
 
     The group is the first pending layer called in a forward plus the pending layers called
     right after it on the very same tensor (q/k/v, gate/up). ``run(w)`` runs window w; its
@@ -184,7 +209,7 @@ def _collect_group(
     """
     state: dict = {}
     found: list[str] = []
-    gram: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []  # the Gram, then the shift
 
     def hook(name):
         def fn(_module, args):
@@ -192,9 +217,15 @@ def _collect_group(
             if state["x"] is None:
                 state["x"] = x
                 flat = x.detach().reshape(-1, x.shape[-1]).double()
-                if not gram:
-                    gram.append(torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float64, device=flat.device))
-                gram[0].addmm_(flat.T, flat)
+                if not sums:
+                    sums.extend(torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float64, device=flat.device)
+                                for _ in range(1 if reference is None else 2))
+                sums[0].addmm_(flat.T, flat)
+                if reference is not None:
+                    if name not in reference:
+                        raise RuntimeError(f"layer {name} runs first in a group of the quantized model but not of "
+                                           "the float one")
+                    sums[1].addmm_((reference[name][state["w"]].double() - flat).T, flat)
             elif x is not state["x"]:
                 raise _Stop
             state["members"].append(name)
@@ -206,7 +237,7 @@ def _collect_group(
     handles = [modules[n].register_forward_pre_hook(hook(n)) for n in pending]
     try:
         for w in range(n_windows):
-            state.update(x=None, members=[])
+            state.update(x=None, members=[], w=w)
             try:
                 with torch.no_grad():
                     run(w)
@@ -223,7 +254,7 @@ def _collect_group(
         state.clear()
         for h in handles:
             h.remove()
-    return found, gram[0]
+    return found, sums[0], sums[1] if reference is not None else None
 
 
 class LayerWalk:
@@ -239,6 +270,9 @@ class LayerWalk:
     "quantized": group by group (q/k/v, o, gate/up, down), each collected after the groups
     before it were rounded and written back (the caller does that between groups), the run
     stopping at the group's input; the block's output is computed once, after its last group.
+    "asymmetric": as "quantized", and before the block's first group is rounded one run of the
+    block on the float model's hidden states (kept beside the quantized ones) records every
+    group's float input, whose shift from the quantized input comes with the group.
     The lm head (and any layer outside the blocks) comes after the last block, on its output.
     """
 
@@ -247,11 +281,14 @@ class LayerWalk:
             raise ValueError(f"layer inputs {inputs!r}: choose one of {', '.join(INPUTS)}")
         self.windows, self.inputs = windows, inputs
         self.states: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []  # per window: (hidden, RoPE and masks)
+        self.float_states: list[torch.Tensor] = []  # "asymmetric": the float model's hidden states
         self.next = 0  # the first layer of the next part
 
-    def groups(self, model: nn.Module, first: int, end: int, names: list[str]) -> Iterator[tuple[list[str], torch.Tensor]]:
-        """Yield (group of layers, Gram (I, I) float32) of ``names``, the layers of blocks
-        first … end - 1 (and of the head where ``end`` is the last block's), in execution order."""
+    def groups(self, model: nn.Module, first: int, end: int,
+               names: list[str]) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor | None]]:
+        """Yield (group of layers, Gram (I, I) float32, shift (I, I) float64 or None) of ``names``,
+        the layers of blocks first … end - 1 (and of the head where ``end`` is the last block's),
+        in execution order; the shift only with inputs "asymmetric"."""
         L = model.config.num_layers
         if first != self.next or not first < end <= L:
             raise ValueError(f"layers {first}..{end - 1}: the walk is at layer {self.next} of {L}")
@@ -266,31 +303,41 @@ class LayerWalk:
                 for tokens in self.windows:
                     tokens, mask, positions = step_inputs(model.config, tokens.to(device), 0, tokens.shape[1])
                     self.states.append((model.embed(tokens), model.rope_and_masks(mask, positions)))
+            self.float_states = [h for h, _ in self.states] if self.inputs == "asymmetric" else []
         for i in range(first, end):
-            def block(w, i=i):
+            def block(w, i=i, float_model=False):
                 h, extra = self.states[w]
-                return model.block(i, h, extra)
+                return model.block(i, self.float_states[w] if float_model else h, extra)
 
             yield from self._step(modules, [n for n in names if block_of(n) == i], block, keep=True)
         if end == L:
             left = [n for n in names if block_of(n) is None]  # outside every block: the head
             if left:
-                yield from self._step(modules, left, lambda w: model.head(self.states[w][0]), keep=False)
-            self.states = []
+                def head(w, float_model=False):
+                    return model.head(self.float_states[w] if float_model else self.states[w][0])
+
+                yield from self._step(modules, left, head, keep=False)
+            self.states, self.float_states = [], []
         self.next = end % L
 
-    def _step(self, modules: dict[str, nn.Module], names: list[str], run: Callable[[int], object],
-              keep: bool) -> Iterator[tuple[list[str], torch.Tensor]]:
+    def _step(self, modules: dict[str, nn.Module], names: list[str], run: Callable[..., object],
+              keep: bool) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor | None]]:
         n = len(self.windows)
         outputs = None
         if self.inputs == "float":
-            groups, grams, outputs = _collect_all(modules, names, run, n)
+            groups, grams, outputs, _ = _collect_all(modules, names, run, n, outputs=keep)
             for group, gram in zip(groups, grams):
-                yield group, gram.float()
+                yield group, gram.float(), None
         else:
+            reference = None
+            if self.inputs == "asymmetric":  # the float inputs, before any of these layers is rounded
+                _, _, float_outputs, reference = _collect_all(
+                    modules, names, lambda w: run(w, float_model=True), n, keep_inputs=True, outputs=keep)
+                if keep:
+                    self.float_states = [out[0] for out in float_outputs]
             while names:
-                group, gram = _collect_group(modules, names, run, n)
-                yield group, gram.float()
+                group, gram, shift = _collect_group(modules, names, run, n, reference)
+                yield group, gram.float(), shift
                 names = [name for name in names if name not in group]
         if keep:
             if outputs is None:
@@ -301,7 +348,7 @@ class LayerWalk:
 
 def sequential_groups(
     model: nn.Module, windows: Iterable[torch.Tensor], names: list[str], inputs: str = "quantized"
-) -> Iterator[tuple[list[str], torch.Tensor]]:
+) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor | None]]:
     """:meth:`LayerWalk.groups` over the whole model (the windows move to its device)."""
     walk = LayerWalk(list(windows), inputs)
     yield from walk.groups(model, 0, model.config.num_layers, names)
@@ -334,16 +381,17 @@ class WeightOptimizer:
             self.timings["collect_seconds"] += time.perf_counter() - t
             if step is None:
                 break
-            group, gram = step
+            group, gram, shift = step
             factor: list[GramFactor] = []  # the group's, made once for all its members
             for name in group:
-                results[name] = self._layer(modules[name], specs[name], gram, factor)
+                results[name] = self._layer(modules[name], specs[name], gram, shift, factor)
                 bar.update(1)
         bar.close()
         self.results.update(results)
         return results
 
-    def _layer(self, module: nn.Module, spec: WeightSpec, gram: torch.Tensor, factor: list[GramFactor]) -> OptimizedWeight:
+    def _layer(self, module: nn.Module, spec: WeightSpec, gram: torch.Tensor, shift: torch.Tensor | None,
+               factor: list[GramFactor]) -> OptimizedWeight:
         seq_mse, granularity, rank = self.options.seq_mse, self.options.seq_mse_granularity, self.rank
 
         def low_rank() -> GramFactor:
@@ -353,6 +401,8 @@ class WeightOptimizer:
 
         weight = module.weight.detach().float()
         t0 = time.perf_counter()
+        if shift is not None:  # "asymmetric": quantize the least-squares target instead
+            weight = asymmetric_target(weight, gram, shift)
         if spec.scale_bits is not None:  # LPBQ: block scales by the backend's rule, SeqMSE scales each channel's base
             scale = lpbq_scale(weight, spec.bits, spec.block_size, spec.scale_bits, spec.eps)
             loss_minmax = float("nan")
@@ -404,6 +454,26 @@ def optimize_weights(
     optimizer = WeightOptimizer(windows, options, rank, progress)
     results = optimizer.part(model, 0, model.config.num_layers, specs)
     return results, optimizer.timings
+
+
+ASYMMETRIC_DAMP = 1.0  # bench/accuracy.py, SmolLM2-135M 16a4w R1: 0.01 overfits the calibration text (docs/design.md §5)
+
+
+def asymmetric_target(weight: torch.Tensor, gram: torch.Tensor, shift: torch.Tensor,
+                      damp: float = ASYMMETRIC_DAMP) -> torch.Tensor:
+    """W* = W + W S (H + λI)⁻¹ (float32, like ``weight`` (O, I)): the weight that, on the quantized
+    model's inputs X̃, best gives the float layer's output on the float inputs X, in the (ridge)
+    least-squares sense; ``gram`` H = X̃ᵀX̃, ``shift`` S = (X - X̃)ᵀX̃. λ is ``damp`` × the mean
+    diagonal of H: a correction fitted to a few thousand calibration tokens must not follow their
+    weak directions (GPTQ's 1 % made held-out text worse); inputs never seen (zero diagonal) are
+    held at weight 1. S = 0 gives W exactly; damp 0, the exact least-squares weight."""
+    H = gram.double().clone()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    H += torch.eye(H.shape[0], dtype=H.dtype, device=H.device) * damp * torch.diagonal(H).mean()
+    W = weight.double()
+    correction = torch.cholesky_solve((W @ shift.double()).T, torch.linalg.cholesky(H)).T  # W S H⁻¹ (H symmetric)
+    return (W + correction).float()
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
