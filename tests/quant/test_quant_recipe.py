@@ -115,7 +115,8 @@ def test_scheme_flag_replaces_the_default():
 def test_rotate_flag_is_settled_in_the_recipe():
     """--rotate replaces the recipe's own rotation in load_recipe, the one place both meet; the
     stages read Recipe.rotation of the recipe it returns."""
-    assert load_recipe(None).rotation == Rotation(r1=True) and RECIPES["16a16w"].rotation is None
+    assert load_recipe(None).rotation == Rotation(r1=True) and RECIPES["16a16w"].rotation == Rotation(r1=True)
+    assert RECIPES["8a8w"].rotation is None
     assert load_recipe(None, rotate="none").rotation is None
     assert load_recipe(None, rotate="none").name == "16a8w+norotate"
     assert load_recipe("16a4w_mixed", "16a8w", "r1+r2").rotation == Rotation(r1=True, r2=True)
