@@ -27,7 +27,8 @@ quantized output on the quantized model's inputs X̃ to the float layer's output
 model's inputs X: min_Q ||X Wᵀ - X̃ Qᵀ||². The walk then carries the float model's hidden states
 beside the quantized ones and gives each group the shift (X - X̃)ᵀ X̃ besides H = X̃ᵀ X̃. Since
 ||X Wᵀ - X̃ Qᵀ||² = const + (W* - Q) H (W* - Q)ᵀ row by row, with W* = W + W (X - X̃)ᵀ X̃ H⁻¹ the
-least-squares target (:func:`asymmetric_target`), SeqMSE and GPTQ run unchanged on W* and H.
+least-squares target, SeqMSE and GPTQ run unchanged on W* and H (:func:`asymmetric_target`
+damps H strongly: a few thousand calibration tokens do not pin every direction of it).
 Where no layer before has been rounded (X = X̃), W* = W and the result is the "quantized" one.
 """
 
