@@ -30,7 +30,7 @@ is; npuq.eval.layers, as ``npuq run``'s layers stage) on the first N tokens of t
 split, and for rows that rotate, the lowest and the largest loss against the same row
 unrotated when that row ran too. Writes JSON, again after every row:
 
-    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 2048] [--eval-tokens 4096] [--layer-tokens 0] [--out FILE]
+    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 4096] [--eval-tokens 4096] [--layer-tokens 0] [--out FILE]
 """
 
 from __future__ import annotations
@@ -133,11 +133,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (npuq quantize's default)")
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--set", choices=sorted(SETS), default="domains", help="which configurations (see above)")
     ap.add_argument("--only", action="append", help="run only configurations whose label contains this")
     ap.add_argument("--exact", action="store_true", help="--only names whole labels")
+    ap.add_argument("--gptq-damp", type=float, default=None, help="GPTQ's damping (fraction of H's mean diagonal; "
+                    "default: npuq's)")
     ap.add_argument("--layer-tokens", type=int, default=0, help="per-layer SQNR on this many eval tokens (0: off)")
     ap.add_argument("--out", default="out/bench/accuracy.json")
     args = ap.parse_args()
@@ -191,6 +193,7 @@ def main() -> None:
 
     def write_result() -> None:
         result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
+                  "gptq_damp": args.gptq_damp if args.gptq_damp is not None else GptqOptions().damp,
                   "eval_tokens": args.eval_tokens, "calibration": calib_specs, "domains": DOMAINS,
                   "python": platform.python_version(), "threads": torch.get_num_threads(), "rows": rows}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -228,8 +231,9 @@ def main() -> None:
         recipe = load_recipe(spec["recipe"]).with_rotation(spec["rotate"])  # the rotation this row folds in itself
         start = time.perf_counter()
         scales = None
+        damp = {} if args.gptq_damp is None else {"damp": args.gptq_damp}
         if spec["seq_mse"] is not None or spec["rounding"] != "nearest":
-            gptq = GptqOptions(act_order=bool(spec["act_order"])) if spec["rounding"] == "gptq" else None
+            gptq = GptqOptions(act_order=bool(spec["act_order"]), **damp) if spec["rounding"] == "gptq" else None
             recovery = RecoveryOptions(spec["seq_mse"], spec["granularity"] or "channel", spec["rounding"],
                                        spec["layer_inputs"], gptq)
             scales, summary = optimize_for_recipe(

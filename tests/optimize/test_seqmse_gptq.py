@@ -11,6 +11,7 @@ from npuq.optimize.seqmse import (
     minmax_scale,
     quantize_codes,
     seq_mse_search,
+    top_eigen,
 )
 
 
@@ -97,6 +98,27 @@ def test_low_rank_factor_is_exact_at_full_rank_and_close_at_low_rank():
     assert (approx - exact).abs().max() < 0.5 * exact.abs().max()
 
 
+def test_top_eigen_recovers_a_known_spectrum():
+    # H = Q diag(λ) Qᵀ with λ_j = 0.9^j: subspace iteration with rank 64 + 16 oversampling and
+    # 4 + 1 products converges on eigenvalue j ≤ 64 as (λ_81 / λ_j)^10 ≤ (0.9^17)^10 ≈ 2e-8, so
+    # what is left is float32 rounding of H (n · 6e-8 relative to λ_max, as seen by the top
+    # values; the 64th is 0.9^63 ≈ 1.3e-3 of λ_max).
+    n, rank = 600, 64
+    q = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(5), dtype=torch.float64)).Q
+    lam = 0.9 ** torch.arange(n, dtype=torch.float64)
+    gram = ((q * lam) @ q.T).float()
+    values, vectors = top_eigen(gram, rank)
+    want = lam[:rank].flip(0)
+    assert torch.allclose(values.double(), want, rtol=0, atol=n * 6e-8 * 4)
+    # The vectors span the same directions: |cos| between each found vector and the true one.
+    cos = (vectors.double() * q[:, :rank].flip(1)).sum(0).abs()
+    assert cos[-8:].min() > 1 - 1e-6  # the well-separated top ones exactly
+    factor, full = GramFactor.from_gram(gram, rank), torch.linalg.eigh(gram.double())
+    err = torch.randn(16, n, generator=torch.Generator().manual_seed(6))
+    exact_low = (err.double() @ (full.eigenvectors[:, -rank:] * full.eigenvalues[-rank:].sqrt())).pow(2).sum(-1)
+    assert torch.allclose((err @ factor.a).pow(2).sum(-1).double(), exact_low, rtol=1e-3)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gptq_reduces_output_error_and_stays_in_range(bits):
     g = torch.Generator().manual_seed(3)
@@ -112,6 +134,24 @@ def test_gptq_reduces_output_error_and_stays_in_range(bits):
     err_nearest = ((x @ (weight - nearest).T) ** 2).sum()
     err_gptq = ((x @ (weight - gptq).T) ** 2).sum()
     assert err_gptq < 0.8 * err_nearest
+
+
+def test_gptq_rounds_each_output_row_on_its_own(monkeypatch):
+    # A row's codes depend only on that row and H, so slicing the rows (as the column loop does
+    # for large layers) must give the same codes as one slice, for block and channel scales.
+    import npuq.optimize.gptq as gptq
+
+    g = torch.Generator().manual_seed(7)
+    weight, x = torch.randn(10, 64, generator=g), torch.randn(256, 64, generator=g)
+    for scale in (minmax_scale(weight, 4), minmax_scale(weight, 4, block_size=16)):
+        whole = gptq_codes(weight, _gram(x), scale, 4, block=16, act_order=True)
+        monkeypatch.setattr(gptq, "ROW_CHUNK", 16 * 3)  # 3 rows per slice: slices of 3, 3, 3, 1
+        sliced = gptq_codes(weight, _gram(x), scale, 4, block=16, act_order=True)
+        monkeypatch.undo()
+        assert torch.equal(whole, sliced)
+        single = torch.cat([gptq_codes(weight[r : r + 1], _gram(x), scale[r : r + 1], 4, block=16, act_order=True)
+                            for r in range(10)])
+        assert torch.equal(whole, single)
 
 
 def test_gptq_with_block_scales():

@@ -28,6 +28,11 @@ def gptq_codes(
 ) -> torch.Tensor:
     """Integer codes (O, I) for ``weight`` (O, I) with ``scale`` (O,) or (O, I / block_size).
 
+    Output rows are rounded independently of each other, so the column loop takes a slice of
+    rows at a time, held column-major: on Qwen2.5-Coder-0.5B's 151936 × 896 lm head this took
+    GPTQ from 23 s to 7 s (2 cores), the column loop having been memory bound. The weights are
+    updated in float32, as the published code does.
+
     ``gram`` is XᵀX (I, I) of the layer's calibration inputs; ``damp`` is added to its
     diagonal as a fraction of the mean diagonal (the published default, 1%). ``act_order``
     rounds the columns in order of decreasing input energy (diagonal of H), the published
@@ -35,36 +40,44 @@ def gptq_codes(
     """
     O, I = weight.shape
     q = qmax_for(bits)
-    W = weight.detach().double().clone()
     H = gram.detach().double().clone()
     dead = torch.diagonal(H) == 0  # inputs never seen: any rounding is as good; keep H invertible
     H[dead, dead] = 1.0
     H += torch.eye(I, dtype=H.dtype, device=H.device) * damp * torch.diagonal(H).mean()
-    col_scale = scale.double().repeat_interleave(I // scale.shape[1], dim=1) if scale.dim() == 2 else \
-        scale.double().unsqueeze(1).expand(O, I)  # (O, I)
-    if act_order:
-        perm = torch.argsort(torch.diagonal(H), descending=True)
-        W, H, col_scale = W[:, perm], H[perm][:, perm], col_scale[:, perm]
-    # Upper Cholesky factor of H⁻¹: row j holds the error-propagation weights of column j.
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    codes = torch.zeros(O, I, dtype=torch.float64, device=W.device)
-    for i1 in range(0, I, block):
-        i2 = min(i1 + block, I)
-        W1 = W[:, i1:i2].clone()
-        E1 = torch.zeros_like(W1)
-        H1 = Hinv[i1:i2, i1:i2]
-        for j in range(i2 - i1):
-            s = col_scale[:, i1 + j]
-            w = W1[:, j]
-            c = torch.clamp(torch.round(w / s), -q, q)
-            codes[:, i1 + j] = c
-            err = (w - c * s) / H1[j, j]
-            W1[:, j:] -= err.unsqueeze(1) * H1[j, j:].unsqueeze(0)
-            E1[:, j] = err
-        W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
-    if act_order:
-        codes = codes[:, torch.argsort(perm)]
-    return codes.to(torch.int8)
+    perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(I, device=H.device)
+    H = H[perm][:, perm]
+    # Upper Cholesky factor of H⁻¹: row j holds the error-propagation weights of column j. In
+    # float64: activation Grams span orders of magnitude, and a float32 factor (1.7x faster at
+    # I = 4864) took SmolLM2-135M 16a4w R1 + SeqMSE + GPTQ from 1.215x / 1.760x to 1.269x / 1.851x
+    # float perplexity (builtin / prose, 3584 calibration tokens, bench/accuracy.py).
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    # Columns in rounding order, each contiguous (I, O), and the scale of each column's weights.
+    Wt = weight.detach().float()[:, perm].T.contiguous()
+    per_block = scale.dim() == 2
+    scale_t = scale.float().T.contiguous() if per_block else scale.float()  # (blocks, O) or (O,)
+    column_block = (perm // (I // scale.shape[1])).tolist() if per_block else None
+    codes = torch.empty(I, O, dtype=torch.float32, device=Wt.device)
+    rows = max(1, ROW_CHUNK // block)  # output rows are rounded independently: a cache-sized slice at a time
+    for r1 in range(0, O, rows):
+        r2 = min(r1 + rows, O)
+        W = Wt[:, r1:r2].clone()
+        for i1 in range(0, I, block):
+            i2 = min(i1 + block, I)
+            W1, H1 = W[i1:i2], Hinv[i1:i2, i1:i2]
+            E1 = torch.empty_like(W1)
+            for j in range(i2 - i1):
+                s = scale_t[column_block[i1 + j], r1:r2] if per_block else scale_t[r1:r2]
+                w = W1[j]
+                c = torch.clamp(torch.round(w / s), -q, q)
+                codes[i1 + j, r1:r2] = c
+                err = (w - c * s) / H1[j, j]
+                W1[j:] -= H1[j, j:].unsqueeze(1) * err
+                E1[j] = err
+            W[i2:] -= Hinv[i1:i2, i2:].T @ E1
+    return codes[torch.argsort(perm)].T.to(torch.int8)
+
+
+ROW_CHUNK = 1 << 20  # weights per slice of output rows in the column loop (4 MB of float32)
 
 
 @dataclass(frozen=True)
@@ -79,3 +92,4 @@ class GptqOptions:
 
     def codes(self, weight: torch.Tensor, gram: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
         return gptq_codes(weight, gram, scale, bits, damp=self.damp, block=self.block, act_order=self.act_order)
+

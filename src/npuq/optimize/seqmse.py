@@ -65,6 +65,21 @@ def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, bits: int) -> torch
     return (c * scale.unsqueeze(-1)).view_as(weight)
 
 
+def top_eigen(gram: torch.Tensor, rank: int, oversample: int = 16, iterations: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``rank`` largest eigenvalues (ascending) and their eigenvectors (columns) of a symmetric
+    PSD matrix, by subspace iteration from a fixed random start with Rayleigh-Ritz (Halko et al.
+    2011, Algorithm 4.4): O(n² · rank) instead of a full eigendecomposition's O(n³), which took
+    2-3 s per 4864-wide down projection of Qwen2.5-Coder-0.5B. Activation Gram matrices have a few
+    dominant directions, so a few iterations resolve the top ones (the tests measure how closely)."""
+    n = gram.shape[0]
+    start = torch.randn(n, rank + oversample, generator=torch.Generator().manual_seed(0)).to(gram)
+    q = torch.linalg.qr(gram @ start).Q
+    for _ in range(iterations):
+        q = torch.linalg.qr(gram @ q).Q
+    evals, small = torch.linalg.eigh(q.T @ gram @ q)
+    return evals[-rank:], q @ small[:, -rank:]
+
+
 @dataclass(frozen=True)
 class GramFactor:
     """H ≈ A Aᵀ + diag(d): exact when A has full rank and d = 0."""
@@ -74,12 +89,17 @@ class GramFactor:
 
     @classmethod
     def from_gram(cls, gram: torch.Tensor, rank: int | None = None) -> "GramFactor":
-        evals, evecs = torch.linalg.eigh(gram.float())  # float32: 4x faster than double at I = 1536
+        g = gram.float()
+        n = g.shape[0]
+        if rank is not None and 4 * rank <= n:
+            evals, evecs = top_eigen(g, rank)
+        else:
+            evals, evecs = torch.linalg.eigh(g)  # float32: 4x faster than double at I = 1536
         evals = evals.clamp_min(0)
-        if rank is not None and rank < gram.shape[0]:
+        if rank is not None and rank < n:
             top = evals[-rank:]
             a = evecs[:, -rank:] * top.sqrt()
-            d = (torch.diagonal(gram.float()) - (a * a).sum(1)).clamp_min(0)
+            d = (torch.diagonal(g) - (a * a).sum(1)).clamp_min(0)
         else:
             a = evecs * evals.sqrt()
             d = torch.zeros(gram.shape[0], device=gram.device)
@@ -110,10 +130,16 @@ def _unit_losses(weight, base_scale, mult, bits, factors, block_size, chunk_elem
     """Loss per unit for each row of candidate multipliers mult (K, *scale_shape) → (K, *scale_shape).
 
     Candidates are processed a few at a time so the error buffer stays cache-sized (~8 MB):
-    16x faster than one large buffer on a 2-core machine. Fixed block scales ``base_scale``
-    (O, nb) with one multiplier per channel (mult (K, O)) are scored with the whole H.
+    16x faster than one large buffer on a 2-core machine. A layer larger than that (an lm head)
+    is scored a slice of output channels at a time (the units are independent). Fixed block
+    scales ``base_scale`` (O, nb) with one multiplier per channel (mult (K, O)) are scored with
+    the whole H.
     """
     O, I = weight.shape
+    rows = max(1, chunk_elems // I)
+    if O > rows:
+        return torch.cat([_unit_losses(weight[r : r + rows], base_scale[r : r + rows], mult[:, r : r + rows], bits,
+                                       factors, block_size, chunk_elems) for r in range(0, O, rows)], dim=1)
     qmax = qmax_for(bits)
     step = max(1, chunk_elems // (O * I))
     out = []
