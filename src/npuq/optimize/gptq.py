@@ -17,6 +17,9 @@ import torch
 from npuq.optimize.seqmse import qmax_for
 
 
+ROW_CHUNK = 1 << 20  # weights per slice of output rows in the column loop (4 MB of float32)
+
+
 def gptq_codes(
     weight: torch.Tensor,
     gram: torch.Tensor,
@@ -77,9 +80,6 @@ def gptq_codes(
     return codes[torch.argsort(perm)].T.to(torch.int8)
 
 
-ROW_CHUNK = 1 << 20  # weights per slice of output rows in the column loop (4 MB of float32)
-
-
 @dataclass(frozen=True)
 class GptqOptions:
     """GPTQ's choices beyond the grid (``npuq quantize --weight-rounding gptq``); :meth:`codes`
@@ -92,4 +92,3 @@ class GptqOptions:
 
     def codes(self, weight: torch.Tensor, gram: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
         return gptq_codes(weight, gram, scale, bits, damp=self.damp, block=self.block, act_order=self.act_order)
-
