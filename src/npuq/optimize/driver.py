@@ -34,6 +34,7 @@ Where no layer before has been rounded (X = X̃), W* = W and the result is the "
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from tqdm import tqdm
 from npuq.device import device_of
 from npuq.errors import NpuqError
 from npuq.models.decoder import block_of, in_part
-from npuq.optimize.gptq import GptqOptions
+from npuq.optimize.gptq import GptqOptions, damped
 from npuq.optimize.seqmse import (
     GRANULARITIES,
     GramFactor,
@@ -362,6 +363,25 @@ def sequential_groups(
     yield from walk.groups(model, 0, model.config.num_layers, names)
 
 
+@dataclass
+class _Group:
+    """What the layers reading one input share (q/k/v, gate/up): its Gram matrix, the asymmetric
+    shift, and the factors made from them, each once, when a member first needs it."""
+
+    gram: torch.Tensor
+    shift: torch.Tensor | None
+    rank: int | None
+
+    @functools.cached_property
+    def low_rank(self) -> GramFactor:
+        return GramFactor.from_gram(self.gram, self.rank)
+
+    @functools.cached_property
+    def target_factor(self) -> torch.Tensor:
+        """The Cholesky factor of the damped H of :func:`asymmetric_target`."""
+        return torch.linalg.cholesky(damped(self.gram, ASYMMETRIC_DAMP))
+
+
 class WeightOptimizer:
     """SeqMSE and/or GPTQ, layer by layer, over a decoder walked whole or part by part
     (:class:`LayerWalk`; ``options.layer_inputs`` says which inputs). Each :meth:`part` call
@@ -389,37 +409,31 @@ class WeightOptimizer:
             self.timings["collect_seconds"] += time.perf_counter() - t
             if step is None:
                 break
-            group, gram, shift = step
-            factor: list[GramFactor] = []  # the group's, made once for all its members
-            for name in group:
-                results[name] = self._layer(modules[name], specs[name], gram, shift, factor)
+            names, gram, shift = step
+            group = _Group(gram, shift, self.rank)
+            for name in names:
+                results[name] = self._layer(modules[name], specs[name], group)
                 bar.update(1)
         bar.close()
         self.results.update(results)
         return results
 
-    def _layer(self, module: nn.Module, spec: WeightSpec, gram: torch.Tensor, shift: torch.Tensor | None,
-               factor: list[GramFactor]) -> OptimizedWeight:
+    def _layer(self, module: nn.Module, spec: WeightSpec, group: _Group) -> OptimizedWeight:
         seq_mse, granularity, rank = self.options.seq_mse, self.options.seq_mse_granularity, self.rank
-
-        def low_rank() -> GramFactor:
-            if not factor:
-                factor.append(GramFactor.from_gram(gram, rank))
-            return factor[0]
-
+        gram = group.gram
         weight = module.weight.detach().float()
         t0 = time.perf_counter()
-        if shift is not None:  # "asymmetric": quantize the least-squares target instead
-            weight = asymmetric_target(weight, gram, shift)
+        if group.shift is not None:  # "asymmetric": quantize the least-squares target instead
+            weight = _shifted(weight, group.shift, group.target_factor)
         if spec.scale_bits is not None:  # LPBQ: block scales by the backend's rule, SeqMSE scales each channel's base
             scale = lpbq_scale(weight, spec.bits, spec.block_size, spec.scale_bits, spec.eps)
             loss_minmax = float("nan")
             if seq_mse:
-                found = seq_mse_search(weight, low_rank(), spec.bits, seq_mse, granularity, spec.block_size, rank,
+                found = seq_mse_search(weight, group.low_rank, spec.bits, seq_mse, granularity, spec.block_size, rank,
                                        block_scale=scale)
                 scale, loss_minmax = found.scale, found.loss_minmax
         elif seq_mse:
-            source = low_rank() if spec.block_size is None else gram
+            source = group.low_rank if spec.block_size is None else gram
             found = seq_mse_search(weight, source, spec.bits, seq_mse, granularity, spec.block_size, rank)
             scale, loss_minmax = found.scale, found.loss_minmax
         else:
@@ -475,12 +489,13 @@ def asymmetric_target(weight: torch.Tensor, gram: torch.Tensor, shift: torch.Ten
     diagonal of H: a correction fitted to a few thousand calibration tokens must not follow their
     weak directions (GPTQ's 1 % made held-out text worse); inputs never seen (zero diagonal) are
     held at weight 1. S = 0 gives W exactly; damp 0, the exact least-squares weight."""
-    H = gram.double().clone()
-    dead = torch.diagonal(H) == 0
-    H[dead, dead] = 1.0
-    H += torch.eye(H.shape[0], dtype=H.dtype, device=H.device) * damp * torch.diagonal(H).mean()
+    return _shifted(weight, shift, torch.linalg.cholesky(damped(gram, damp)))
+
+
+def _shifted(weight: torch.Tensor, shift: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
+    """W + W S H⁻¹ for ``chol`` the Cholesky factor of the damped H (float32, like ``weight``)."""
     W = weight.double()
-    correction = torch.cholesky_solve((W @ shift.double()).T, torch.linalg.cholesky(H)).T  # W S H⁻¹ (H symmetric)
+    correction = torch.cholesky_solve((W @ shift.double()).T, chol).T  # W S H⁻¹ (H symmetric)
     return (W + correction).float()
 
 

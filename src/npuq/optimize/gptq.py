@@ -20,6 +20,15 @@ from npuq.optimize.seqmse import qmax_for
 ROW_CHUNK = 1 << 20  # weights per slice of output rows in the column loop (4 MB of float32)
 
 
+def damped(gram: torch.Tensor, damp: float) -> torch.Tensor:
+    """H + λI in float64, λ = ``damp`` × the mean diagonal of H, with every input never seen (zero
+    diagonal) held at 1 first: any weight is as good there, and H must stay invertible."""
+    H = gram.detach().double().clone()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    return H + torch.eye(H.shape[0], dtype=H.dtype, device=H.device) * damp * torch.diagonal(H).mean()
+
+
 def gptq_codes(
     weight: torch.Tensor,
     gram: torch.Tensor,
@@ -43,10 +52,7 @@ def gptq_codes(
     """
     O, I = weight.shape
     q = qmax_for(bits)
-    H = gram.detach().double().clone()
-    dead = torch.diagonal(H) == 0  # inputs never seen: any rounding is as good; keep H invertible
-    H[dead, dead] = 1.0
-    H += torch.eye(I, dtype=H.dtype, device=H.device) * damp * torch.diagonal(H).mean()
+    H = damped(gram, damp)
     perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(I, device=H.device)
     H = H[perm][:, perm]
     # Upper Cholesky factor of H⁻¹: row j holds the error-propagation weights of column j. In
