@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from npuq.optimize.gptq import gptq_codes
+from npuq.optimize.gptq import gptq_codes, inverse_upper_factor
 from npuq.optimize.seqmse import (
     GramFactor,
     fake_quantize,
@@ -87,6 +87,18 @@ def test_vectorised_search_equals_slow_loop():
     assert torch.allclose(fast.multipliers, slow, atol=1e-5)
 
 
+def test_coarse_scan_stops_early_and_finds_the_exhaustive_optimum():
+    # 50 candidates: the scan from m = 1 down stops once every channel's loss has grown past 4x its
+    # best (clipping), so it scores fewer than 3 x 50 multipliers and still picks what the slow
+    # loop, which scores every candidate, picks.
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(8, 16, generator=g)
+    x = torch.randn(64, 16, generator=g)
+    fast = seq_mse_search(weight, _gram(x), 4, candidates=50, granularity="channel")
+    assert fast.evaluations < 3 * 50
+    assert torch.allclose(fast.multipliers, _slow_channel_search(weight, x, 4, 50), atol=1e-5)
+
+
 def test_low_rank_factor_is_exact_at_full_rank_and_close_at_low_rank():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(300, 16, generator=g) @ torch.randn(16, 16, generator=g)
@@ -134,6 +146,48 @@ def test_gptq_reduces_output_error_and_stays_in_range(bits):
     err_nearest = ((x @ (weight - nearest).T) ** 2).sum()
     err_gptq = ((x @ (weight - gptq).T) ** 2).sum()
     assert err_gptq < 0.8 * err_nearest
+
+
+def test_inverse_upper_factor_is_the_cholesky_factor_of_the_inverse():
+    # Against the textbook route (factorise H, invert, factorise the inverse) and against H⁻¹ itself.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(200, 40, generator=g, dtype=torch.float64) * torch.linspace(0.01, 10, 40, dtype=torch.float64)
+    H = x.T @ x + 1e-3 * torch.eye(40, dtype=torch.float64)
+    U = inverse_upper_factor(H)
+    assert torch.equal(U, torch.triu(U)) and bool((torch.diagonal(U) > 0).all())
+    reference = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    assert torch.allclose(U, reference, rtol=1e-9, atol=1e-12 * reference.abs().max().item())
+    inverse = torch.linalg.inv(H)
+    assert torch.allclose(U.T @ U, inverse, rtol=1e-8, atol=1e-10 * inverse.abs().max().item())
+
+
+def _obq_reference(weight, gram, scale, bits, damp=0.01):
+    """Independent reference (float64): round the columns in order; after each, spread its error
+    over the columns left with the inverse Hessian of those columns, then drop the rounded column
+    from it by Gaussian elimination (the OBQ update GPTQ's Cholesky form reorganises)."""
+    q = 2 ** (bits - 1) - 1
+    W = weight.double().clone()
+    H = gram.double() + damp * torch.diagonal(gram.double()).mean() * torch.eye(gram.shape[0], dtype=torch.float64)
+    Hinv = torch.linalg.inv(H)
+    s = scale.double()
+    codes = torch.zeros_like(W)
+    for j in range(W.shape[1]):
+        sj = s[:, j // (W.shape[1] // s.shape[1])] if s.dim() == 2 else s
+        codes[:, j] = torch.clamp(torch.round(W[:, j] / sj), -q, q)
+        err = (W[:, j] - codes[:, j] * sj) / Hinv[j, j]
+        W[:, j:] -= err.unsqueeze(1) * Hinv[j, j:].unsqueeze(0)
+        Hinv = Hinv - Hinv[:, j : j + 1] @ Hinv[j : j + 1, :] / Hinv[j, j]
+    return codes
+
+
+@pytest.mark.parametrize("block_scales", [False, True])
+def test_gptq_equals_the_sequential_reference(block_scales):
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(12, 48, generator=g)
+    x = torch.randn(300, 48, generator=g) @ (torch.eye(48) + 0.3 * torch.randn(48, 48, generator=g))
+    scale = minmax_scale(weight, 4, block_size=16 if block_scales else None)
+    codes = gptq_codes(weight, _gram(x), scale, 4, block=16)  # three column blocks: the lazy updates too
+    assert torch.equal(codes.long(), _obq_reference(weight, _gram(x), scale, 4).long())
 
 
 def test_gptq_rounds_each_output_row_on_its_own(monkeypatch):

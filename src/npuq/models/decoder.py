@@ -112,6 +112,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, k_cache=None, v_cache=None, fused=False):
+        heads, k_new, v_new = self.heads(x, cos, sin, mask, k_cache, v_cache, fused)
+        return self.o_proj(heads), k_new, v_new
+
+    def heads(self, x, cos, sin, mask, k_cache=None, v_cache=None, fused=False):
+        """Attention up to o_proj: (B, T, H·D) head outputs (o_proj's input), k_new, v_new."""
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         G = H // KV  # query heads per KV head
@@ -130,7 +135,7 @@ class Attention(nn.Module):
             values = v if v_cache is None else torch.cat([v_cache, v], dim=2)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.to(q.dtype), scale=self.scale,
                                                  enable_gqa=True)  # query head h reads KV head h // G
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D)), k_new, v
+            return out.transpose(1, 2).reshape(B, T, H * D), k_new, v
         keys = k_new if k_cache is None else torch.cat([k_cache, k_new], dim=-1)  # (B, KV, D, S)
         values = v if v_cache is None else torch.cat([v_cache, v], dim=2)  # (B, KV, S, D)
         # Grouped-query attention without copying K/V: query heads h = kv·G + g share KV head kv.
@@ -139,8 +144,7 @@ class Attention(nn.Module):
         scores = scores.view(B, KV, G, T, -1) + mask.unsqueeze(1)  # mask (B, 1, 1, T, S)
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, KV, G * T, -1)
         out = torch.matmul(probs, values)  # (B, KV, G·T, D)
-        out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
-        return self.o_proj(out), k_new, v
+        return out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D), k_new, v
 
 
 class MLP(nn.Module):
@@ -152,9 +156,13 @@ class MLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x):
+        return self.down_proj(self.hidden(x))
+
+    def hidden(self, x):
+        """act(gate_proj(x)) · up_proj(x): down_proj's input."""
         gate = self.gate_proj(x)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return gate * self.up_proj(x)
 
 
 class DecoderLayer(nn.Module):
@@ -175,13 +183,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, mask, k_cache=None, v_cache=None, fused=False):
         attn, k_new, v_new = self.self_attn(self.input_layernorm(h), cos, sin, mask, k_cache, v_cache, fused)
-        if self.sandwich:
-            h = h + self.post_attention_layernorm(attn)
-            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        else:
-            h = h + attn
-            h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, k_new, v_new
+        h = self.add_attention(h, attn)
+        return self.add_mlp(h, self.mlp(self.mlp_norm(h))), k_new, v_new
+
+    # The forward's steps between its linear layers (npuq.optimize.driver walks a block by them).
+    def add_attention(self, h, attn):
+        """The residual after attention, from the block input h and o_proj's output."""
+        return h + (self.post_attention_layernorm(attn) if self.sandwich else attn)
+
+    def mlp_norm(self, h):
+        """The norm before the MLP (gate_proj's and up_proj's input)."""
+        return self.pre_feedforward_layernorm(h) if self.sandwich else self.post_attention_layernorm(h)
+
+    def add_mlp(self, h, out):
+        """The block output, from the residual after attention and down_proj's output."""
+        return h + (self.post_feedforward_layernorm(out) if self.sandwich else out)
 
 
 def block_of(path: str) -> int | None:
@@ -275,11 +291,15 @@ class StaticDecoder(nn.Module):
     def block(self, i: int, h: torch.Tensor, rope_and_masks: tuple[torch.Tensor, ...], k_cache=None, v_cache=None,
               fused: bool = False):
         """Block ``i`` on hidden states (B, T, hidden) → (hidden states, k_new, v_new)."""
+        return self.layers[i](h, *self.block_rope_and_mask(i, rope_and_masks), k_cache, v_cache, fused)
+
+    def block_rope_and_mask(self, i: int, rope_and_masks: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """(cos, sin, mask) that block ``i`` reads, of :meth:`rope_and_masks`' tables: the local
+        ones in sliding-window layers."""
         cos, sin, local_cos, local_sin, full_mask, sliding_mask = rope_and_masks
-        layer = self.layers[i]
-        if layer.sliding:
-            return layer(h, local_cos, local_sin, sliding_mask, k_cache, v_cache, fused)
-        return layer(h, cos, sin, full_mask, k_cache, v_cache, fused)
+        if self.layers[i].sliding:
+            return local_cos, local_sin, sliding_mask
+        return cos, sin, full_mask
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and lm head: (B, T, hidden) → (B, T, V) logits."""

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from npuq.device import device_of
 from npuq.errors import NpuqError
-from npuq.models.decoder import block_of, in_part
+from npuq.models.decoder import in_part
 from npuq.optimize.gptq import GptqOptions, damped
 from npuq.optimize.seqmse import (
     GRANULARITIES,
@@ -128,142 +128,57 @@ class OptimizedWeight:
     loss: float  # the same error after optimisation
 
 
-class _Stop(Exception):
-    """Ends a forward early: the hooks have seen what they need."""
+def _add_products(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """total + aᵀb (float64; a new sum where total is None) for one window's rows a, b: multiplied
+    in float32, summed across windows in float64. A window's few hundred rows lose ~1e-6 relative
+    in float32; float64 products took 33 s of a profiled Qwen2.5-Coder-0.5B recovery, most of it
+    on the 4864-wide down-projection inputs."""
+    product = a.T @ b
+    return product.double() if total is None else total.add_(product)
 
 
-def _products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """aᵀb (float64) of one window's rows: multiplied in float32, summed across windows in float64.
-    A window's few hundred rows lose ~1e-6 relative in float32; float64 products took 33 s of a
-    profiled Qwen2.5-Coder-0.5B recovery, most of it on the 4864-wide down-projection inputs."""
-    return (a.T @ b).double()
+Step = Callable[[dict], torch.Tensor]  # a window's state → the next group's input (updating the state)
 
 
-def _collect_all(
-    modules: dict[str, nn.Module], names: list[str], run: Callable[[int], object], n_windows: int,
-    keep_inputs: bool = False, outputs: bool = True,
-) -> tuple[list[list[str]], list[torch.Tensor], list[object], dict[str, list[torch.Tensor]]]:
-    """Every group of ``names`` with its Gram matrix XᵀX (float64), what ``run(w)`` returned for
-    each window (``outputs``; else the run stops once every layer's input is seen, and the list is
-    empty), and with ``keep_inputs`` each group's input per window (float32, (tokens, I); keyed by
-    the group's first layer): from one run per window, the inputs of the model as it stands.
+def _block_steps(model: nn.Module, i: int) -> tuple[list[tuple[list[nn.Module], Step]], Callable[[dict], None]]:
+    """Block ``i`` of a StaticDecoder as its groups of linear layers in the order the forward
+    reads them (layers reading one tensor form a group), each with the step that computes the
+    group's input from a window's state (``h`` the block input, ``x`` the previous group's
+    input, ``rope`` the block's cos, sin and mask), and the step that writes the block output
+    into ``h``. The steps are the decoder's own, DecoderLayer.forward's calls in its order, so
+    each group's input is what a whole forward gives it with the groups before as they are."""
+    layer = model.layers[i]
+    attn, mlp = layer.self_attn, layer.mlp
 
-    Groups come in execution order; layers called right after each other on the very same
-    tensor (q/k/v, gate/up) form one group and their input is counted once.
-    """
-    group_of: dict[str, int] = {}
-    groups: list[list[str]] = []
-    grams: list[torch.Tensor] = []
-    inputs: dict[str, list[torch.Tensor]] = {}
-    last: dict[str, object] = {"input": None, "group": None, "seen": 0}
+    def mlp_input(st):
+        st["h"] = layer.add_attention(st["h"], attn.o_proj(st["x"]))
+        return layer.mlp_norm(st["h"])
 
-    def hook(name):
-        def fn(_module, args):
-            x = args[0]
-            shared = x is last["input"]
-            if name not in group_of:
-                if shared:
-                    group_of[name] = last["group"]
-                    groups[group_of[name]].append(name)
-                else:
-                    group_of[name] = len(grams)
-                    groups.append([name])
-                    grams.append(torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float64, device=x.device))
-            if not shared:
-                flat = x.detach().reshape(-1, x.shape[-1]).float()
-                grams[group_of[name]] += _products(flat, flat)
-                if keep_inputs:
-                    inputs.setdefault(groups[group_of[name]][0], []).append(flat.clone())  # x may be reused
-            last["input"], last["group"] = x, group_of[name]
-            last["seen"] += 1
-            if not outputs and last["seen"] == len(names):
-                raise _Stop
+    def output(st):
+        st["h"] = layer.add_mlp(st["h"], mlp.down_proj(st["x"]))
 
-        return fn
-
-    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in names]
-    results = []
-    try:
-        for w in range(n_windows):
-            last["input"], last["seen"] = None, 0
-            try:
-                with torch.no_grad():
-                    result = run(w)
-            except _Stop:
-                continue
-            if outputs:
-                results.append(result)
-    finally:
-        last["input"] = None
-        for h in handles:
-            h.remove()
-    missing = [n for n in names if n not in group_of]
-    if missing:
-        raise ValueError(f"layers never ran during calibration: {', '.join(missing[:3])}")
-    return groups, grams, results, inputs
+    return ([([attn.q_proj, attn.k_proj, attn.v_proj], lambda st: layer.input_layernorm(st["h"])),
+             ([attn.o_proj], lambda st: attn.heads(st["x"], *st["rope"])[0]),
+             ([mlp.gate_proj, mlp.up_proj], mlp_input),
+             ([mlp.down_proj], lambda st: mlp.hidden(st["x"]))], output)
 
 
-def _collect_group(
-    modules: dict[str, nn.Module], pending: list[str], run: Callable[[int], object], n_windows: int,
-    reference: dict[str, list[torch.Tensor]] | None = None,
-) -> tuple[list[str], torch.Tensor, torch.Tensor | None]:
-    """The next group of ``pending`` layers to run, its Gram matrix X̃ᵀX̃ (float64) and, given
-    ``reference`` (the float model's input X of each group per window, keyed by its first layer),
-    the shift (X - X̃)ᵀX̃ (float64; else None).
-
-    The group is the first pending layer called in a forward plus the pending layers called
-    right after it on the very same tensor (q/k/v, gate/up). ``run(w)`` runs window w; its
-    forward stops once the group's input is seen (at the next pending layer, or when every
-    pending layer belongs to the group).
-    """
-    state: dict = {}
-    found: list[str] = []
-    sums: list[torch.Tensor] = []  # the Gram, then the shift
-
-    def hook(name):
-        def fn(_module, args):
-            x = args[0]
-            if state["x"] is None:
-                state["x"] = x
-                flat = x.detach().reshape(-1, x.shape[-1]).float()
-                if not sums:
-                    sums.extend(torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float64, device=flat.device)
-                                for _ in range(1 if reference is None else 2))
-                sums[0] += _products(flat, flat)
-                if reference is not None:
-                    if name not in reference:
-                        raise RuntimeError(f"layer {name} runs first in a group of the quantized model but not of "
-                                           "the float one")
-                    sums[1] += _products(reference[name][state["w"]] - flat, flat)
-            elif x is not state["x"]:
-                raise _Stop
-            state["members"].append(name)
-            if len(state["members"]) == len(pending):
-                raise _Stop
-
-        return fn
-
-    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in pending]
-    try:
-        for w in range(n_windows):
-            state.update(x=None, members=[], w=w)
-            try:
-                with torch.no_grad():
-                    run(w)
-            except _Stop:
-                pass
-            if w == 0:
-                found = list(state["members"])
-                if not found:
-                    raise ValueError(f"layers never ran during calibration: {', '.join(pending[:3])}")
-            elif state["members"] != found:
-                raise RuntimeError(f"layers ran in a different order in calibration window {w}: "
-                                   f"{state['members']} instead of {found}")
-    finally:
-        state.clear()
-        for h in handles:
-            h.remove()
-    return found, sums[0], sums[1] if reference is not None else None
+def _run(states: list[dict], step: Step, keep: bool = False, reference: list[torch.Tensor] | None = None):
+    """``step`` on every window's state, its result kept as the state's "x". Returns the Gram
+    XᵀX of the results (float64) and: with ``reference`` (each window's float input X) the
+    shift (X - X̃)ᵀX̃ (float64), else with ``keep`` each window's result (float32, (tokens, I))."""
+    gram = other = None
+    kept = []
+    with torch.no_grad():
+        for w, st in enumerate(states):
+            x = st["x"] = step(st)
+            flat = x.reshape(-1, x.shape[-1]).float()
+            gram = _add_products(gram, flat, flat)
+            if reference is not None:
+                other = _add_products(other, reference[w] - flat, flat)
+            elif keep:
+                kept.append(flat)
+    return gram, other if reference is not None else kept
 
 
 class LayerWalk:
@@ -272,25 +187,27 @@ class LayerWalk:
     (layers first … end - 1, the parts in order), so that only the part walked needs its
     weights (a model streamed from disk: npuq.quantize.pt2e.quantize_model's ``recover``).
 
-    The windows enter through the model's own steps (embed, RoPE tables and masks, block i,
-    head), so every layer sees exactly what the model's forward gives it. ``inputs`` "float":
-    a block's groups come from one run of the block per window before any of them is rounded,
-    and the next block takes the float block's outputs (every Gram the float model's).
-    "quantized": group by group (q/k/v, o, gate/up, down), each collected after the groups
-    before it were rounded and written back (the caller does that between groups), the run
-    stopping at the group's input; the block's output is computed once, after its last group.
-    "asymmetric": as "quantized", and before the block's first group is rounded one run of the
-    block on the float model's hidden states (kept beside the quantized ones) records every
-    group's float input, whose shift from the quantized input comes with the group.
-    The lm head (and any layer outside the blocks) comes after the last block, on its output.
+    The windows enter through the model's own steps (embed, RoPE tables and masks, each block in
+    the steps of :func:`_block_steps`, the head), so every layer sees exactly what the model's
+    forward gives it. A block's groups (q/k/v, o, gate/up, down) come in that order, each with
+    the Gram of its input over all windows. ``inputs`` "float": all of a block's groups are
+    collected before the caller rounds any, and the next block takes the float block's outputs
+    (every Gram the float model's). "quantized": each group is collected after the groups
+    before it were rounded and written back (the caller does that between groups), every
+    window's state carried from one group's step to the next, so a block costs one forward per
+    window (re-running the block up to each group's input cost ~2.5; Qwen2.5-Coder-0.5B: ~80 s
+    of a 396 s recovery). "asymmetric": as "quantized", and before the block's first group is
+    rounded one float run of the block on the float model's hidden states (kept beside the
+    quantized ones) records every group's float input, whose shift from the quantized input
+    comes with the group. The lm head comes after the last block, on its output.
     """
 
     def __init__(self, windows: list[torch.Tensor], inputs: str) -> None:
         if inputs not in INPUTS:
             raise ValueError(f"layer inputs {inputs!r}: choose one of {', '.join(INPUTS)}")
         self.windows, self.inputs = windows, inputs
-        self.states: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []  # per window: (hidden, RoPE and masks)
-        self.float_states: list[torch.Tensor] = []  # "asymmetric": the float model's hidden states
+        self.states: list[dict] = []  # per window: "h" hidden states, "extra" RoPE tables and masks, ...
+        self.float_states: list[dict] = []  # "asymmetric": the float model's
         self.next = 0  # the first layer of the next part
 
     def groups(self, model: nn.Module, first: int, end: int,
@@ -304,55 +221,56 @@ class LayerWalk:
         inside = {n for n in names if in_part(n, first, end, L)}
         if len(inside) != len(names):
             raise ValueError(f"not in layers {first}..{end - 1}: {', '.join(sorted(set(names) - inside)[:3])}")
-        modules = dict(model.named_modules())
+        name_of = {id(m): n for n, m in model.named_modules() if n in inside}
+        plan = [(i, *_block_steps(model, i)) for i in range(first, end)]
+        if end == L:
+            plan.append((None, [([model.lm_head], lambda st: model.norm(st["h"]))], None))
+        reached = {name_of[id(m)] for _, steps, _ in plan for group, _ in steps for m in group if id(m) in name_of}
+        if reached != inside:
+            raise ValueError("not a block's q/k/v/o/gate/up/down projection nor the lm head: "
+                             + ", ".join(sorted(inside - reached)[:3]))
         if first == 0:
             device = device_of(model.embed_tokens)
             self.states = []
             with torch.no_grad():
                 for tokens in self.windows:
                     tokens, mask, positions = step_inputs(model.config, tokens.to(device), 0, tokens.shape[1])
-                    self.states.append((model.embed(tokens), model.rope_and_masks(mask, positions)))
-            self.float_states = [h for h, _ in self.states] if self.inputs == "asymmetric" else []
-        for i in range(first, end):
-            def block(w, i=i, float_model=False):
-                h, extra = self.states[w]
-                return model.block(i, self.float_states[w] if float_model else h, extra)
-
-            yield from self._step(modules, [n for n in names if block_of(n) == i], block, keep=True)
+                    self.states.append({"h": model.embed(tokens), "extra": model.rope_and_masks(mask, positions)})
+            self.float_states = [dict(st) for st in self.states] if self.inputs == "asymmetric" else []
+        for i, steps, output in plan:
+            if i is not None:
+                for st in self.states + self.float_states:
+                    st["rope"] = model.block_rope_and_mask(i, st["extra"])
+            yield from self._block([([name_of[id(m)] for m in group if id(m) in name_of], step)
+                                    for group, step in steps], output)
         if end == L:
-            left = [n for n in names if block_of(n) is None]  # outside every block: the head
-            if left:
-                def head(w, float_model=False):
-                    return model.head(self.float_states[w] if float_model else self.states[w][0])
-
-                yield from self._step(modules, left, head, keep=False)
             self.states, self.float_states = [], []
         self.next = end % L
 
-    def _step(self, modules: dict[str, nn.Module], names: list[str], run: Callable[..., object],
-              keep: bool) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor | None]]:
-        n = len(self.windows)
-        outputs = None
-        if self.inputs == "float":
-            groups, grams, outputs, _ = _collect_all(modules, names, run, n, outputs=keep)
-            for group, gram in zip(groups, grams):
-                yield group, gram.float(), None
-        else:
-            reference = None
-            if self.inputs == "asymmetric":  # the float inputs, before any of these layers is rounded
-                _, _, float_outputs, reference = _collect_all(
-                    modules, names, lambda w: run(w, float_model=True), n, keep_inputs=True, outputs=keep)
-                if keep:
-                    self.float_states = [out[0] for out in float_outputs]
-            while names:
-                group, gram, shift = _collect_group(modules, names, run, n, reference)
-                yield group, gram.float(), shift
-                names = [name for name in names if name not in group]
-        if keep:
-            if outputs is None:
-                with torch.no_grad():
-                    outputs = [run(w) for w in range(n)]
-            self.states = [(out[0], extra) for out, (_, extra) in zip(outputs, self.states)]
+    def _block(self, groups: list[tuple[list[str], Step]],
+               output: Callable[[dict], None] | None) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor | None]]:
+        """One block (the head: ``output`` None) of the walk, as the class docstring says."""
+        reference = None
+        if self.inputs != "quantized":  # the float run, before any of these layers is rounded
+            states = self.float_states if self.inputs == "asymmetric" else self.states
+            runs = [_run(states, step, keep=self.inputs == "asymmetric") for _, step in groups]
+            _output(states, output)
+            if self.inputs == "float":
+                yield from ((names, gram.float(), None) for (names, _), (gram, _) in zip(groups, runs) if names)
+                return
+            reference = [kept for _, kept in runs]
+        for g, (names, step) in enumerate(groups):
+            gram, shift = _run(self.states, step, reference=None if reference is None else reference[g])
+            if names:
+                yield names, gram.float(), shift if reference is not None else None
+        _output(self.states, output)
+
+
+def _output(states: list[dict], output: Callable[[dict], None] | None) -> None:
+    if output is not None:
+        with torch.no_grad():
+            for st in states:
+                output(st)
 
 
 def sequential_groups(
