@@ -163,22 +163,23 @@ def _block_steps(model: nn.Module, i: int) -> tuple[list[tuple[list[nn.Module], 
              ([mlp.down_proj], lambda st: mlp.hidden(st["x"]))], output)
 
 
-def _run(states: list[dict], step: Step, keep: bool = False, reference: list[torch.Tensor] | None = None):
-    """``step`` on every window's state, its result kept as the state's "x". Returns the Gram
-    XᵀX of the results (float64) and: with ``reference`` (each window's float input X) the
-    shift (X - X̃)ᵀX̃ (float64), else with ``keep`` each window's result (float32, (tokens, I))."""
-    gram = other = None
+def _run(states: list[dict], step: Step, reference: list[torch.Tensor] | None = None, keep: bool = False):
+    """``step`` on every window's state, its result kept as the state's "x". Returns, of the
+    results X̃: with ``keep`` each window's (float32, (tokens, I)), else (the Gram X̃ᵀX̃, and with
+    ``reference`` (each window's float input X) the shift (X - X̃)ᵀX̃, else None), float64."""
+    gram = shift = None
     kept = []
     with torch.no_grad():
         for w, st in enumerate(states):
             x = st["x"] = step(st)
             flat = x.reshape(-1, x.shape[-1]).float()
+            if keep:
+                kept.append(flat)
+                continue
             gram = _add_products(gram, flat, flat)
             if reference is not None:
-                other = _add_products(other, reference[w] - flat, flat)
-            elif keep:
-                kept.append(flat)
-    return gram, other if reference is not None else kept
+                shift = _add_products(shift, reference[w] - flat, flat)
+    return kept if keep else (gram, shift)
 
 
 class LayerWalk:
@@ -258,11 +259,11 @@ class LayerWalk:
             if self.inputs == "float":
                 yield from ((names, gram.float(), None) for (names, _), (gram, _) in zip(groups, runs) if names)
                 return
-            reference = [kept for _, kept in runs]
+            reference = runs
         for g, (names, step) in enumerate(groups):
-            gram, shift = _run(self.states, step, reference=None if reference is None else reference[g])
+            gram, shift = _run(self.states, step, None if reference is None else reference[g])
             if names:
-                yield names, gram.float(), shift if reference is not None else None
+                yield names, gram.float(), shift
         _output(self.states, output)
 
 
@@ -411,7 +412,9 @@ def asymmetric_target(weight: torch.Tensor, gram: torch.Tensor, shift: torch.Ten
 
 
 def _shifted(weight: torch.Tensor, shift: torch.Tensor, chol: torch.Tensor) -> torch.Tensor:
-    """W + W S H⁻¹ for ``chol`` the Cholesky factor of the damped H (float32, like ``weight``)."""
+    """W + W S H⁻¹ for ``chol`` the Cholesky factor of the damped H (float32, like ``weight``).
+    In float64: in float32 the Qwen2.5-Coder-0.5B LPBQ artifact's held-out scores moved by 3-6 %
+    (prose KLD 0.135 → 0.140) and the run saved nothing measurable (406 s, then 427 s)."""
     W = weight.double()
     correction = torch.cholesky_solve((W @ shift.double()).T, chol).T  # W S H⁻¹ (H symmetric)
     return (W + correction).float()
