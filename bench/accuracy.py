@@ -30,7 +30,7 @@ is; npuq.eval.layers, as ``npuq run``'s layers stage) on the first N tokens of t
 split, and for rows that rotate, the lowest and the largest loss against the same row
 unrotated when that row ran too. Writes JSON, again after every row:
 
-    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 4096] [--eval-tokens 4096] [--layer-tokens 0] [--out FILE]
+    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 4096] [--calib-offset 0] [--eval-tokens 4096] [--layer-tokens 0] [--out FILE]
 """
 
 from __future__ import annotations
@@ -134,6 +134,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (npuq quantize's default)")
+    ap.add_argument("--calib-offset", type=int, default=0,
+                    help="start each calibration text this many tokens into its split: another draw of the same "
+                         "kind of text, to measure how much a row moves between draws (single corpora, not mixes)")
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--set", choices=sorted(SETS), default="domains", help="which configurations (see above)")
     ap.add_argument("--only", action="append", help="run only configurations whose label contains this")
@@ -169,7 +172,17 @@ def main() -> None:
     selected = [spec for spec in SETS[args.set]
                 if not args.only or any(o == spec["config"] if args.exact else o in spec["config"] for o in args.only)]
     calib_specs = {c: c for c in dict.fromkeys(["builtin"] + [spec["calib"] for spec in selected])}  # label → spec
-    calibs = {name: corpus_tokens(tok, spec, args.calib_tokens) for name, spec in calib_specs.items()}
+
+    def calibration(spec: str) -> list[int]:
+        if args.calib_offset and "+" in spec:
+            ap.error(f"--calib-offset: {spec} is a mix of corpora; use it with single corpora")
+        ids = corpus_tokens(tok, spec, args.calib_offset + args.calib_tokens)[args.calib_offset:]
+        if args.calib_offset and len(ids) < args.calib_tokens:
+            ap.error(f"--calib-offset {args.calib_offset}: the {spec} calib split has only "
+                     f"{args.calib_offset + len(ids)} tokens; use a smaller offset")
+        return ids
+
+    calibs = {name: calibration(spec) for name, spec in calib_specs.items()}
     domains = {name: load_corpus(name, "eval") for name in DOMAINS}
 
     def evaluate(logits_fn, row, batch_size=1):
@@ -193,6 +206,7 @@ def main() -> None:
 
     def write_result() -> None:
         result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
+                  "calib_offset": args.calib_offset,
                   "gptq_damp": args.gptq_damp if args.gptq_damp is not None else GptqOptions().damp,
                   "eval_tokens": args.eval_tokens, "calibration": calib_specs, "domains": DOMAINS,
                   "python": platform.python_version(), "threads": torch.get_num_threads(), "rows": rows}
