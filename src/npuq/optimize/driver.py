@@ -18,9 +18,9 @@ Layer inputs come from the float model (``inputs="float"``: a block's Grams from
 before any of its layers is rounded) or from the model being quantized (``inputs="quantized"``,
 as GPTQ's reference code does): within a block group by group (q/k/v, o, gate/up, down, then
 the lm head after the last block), so each group's Gram matrix is collected after every group
-before it has been rounded and written back. A group's collection pass stops at the group's
-last input (a cheap exception), and each block's output is computed once, so the whole walk
-costs a few forwards, not one per layer.
+before it has been rounded and written back. Each window's state is carried from one group's
+input to the next through the decoder's own steps, so the whole walk costs one forward of the
+model per window in either mode (one more, of the float model, with "asymmetric").
 
 ``inputs="asymmetric"`` (GPTAQ's asymmetric calibration, Li et al. 2025) fits each layer's
 quantized output on the quantized model's inputs X̃ to the float layer's output on the float
