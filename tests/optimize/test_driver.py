@@ -97,6 +97,20 @@ def test_sequential_grams_equal_the_float_ones_while_nothing_is_rounded(arch):
                          "layers.0.self_attn.o_proj"] and order[-1] == "lm_head"
 
 
+@pytest.mark.parametrize("inputs", ["float", "quantized", "asymmetric"])
+def test_walk_yields_only_the_layers_asked_for(inputs):
+    # A recipe may leave some projections unquantized: their group is walked through, not yielded,
+    # and every other group's Gram is still what a whole forward gives (nothing is rounded here).
+    _, model = tiny_decoder("llama", seed=1)
+    names = [n for n in _linears(model) if not n.endswith("o_proj")]
+    windows = _windows(model.config.vocab_size)
+    walked = list(sequential_groups(model, windows, names, inputs))
+    assert sorted(n for group, _, _ in walked for n in group) == sorted(names)
+    for group, gram, _ in walked:
+        ref = _forward_gram(model, group[0], windows)
+        assert torch.allclose(gram.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), group
+
+
 def test_sequential_grams_see_the_rounding_of_every_earlier_group():
     _, model = tiny_decoder("llama", seed=3)
     _, reference = tiny_decoder("llama", seed=3)

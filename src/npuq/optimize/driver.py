@@ -163,23 +163,26 @@ def _block_steps(model: nn.Module, i: int) -> tuple[list[tuple[list[nn.Module], 
              ([mlp.down_proj], lambda st: mlp.hidden(st["x"]))], output)
 
 
-def _run(states: list[dict], step: Step, reference: list[torch.Tensor] | None = None, keep: bool = False):
-    """``step`` on every window's state, its result kept as the state's "x". Returns, of the
-    results X̃: with ``keep`` each window's (float32, (tokens, I)), else (the Gram X̃ᵀX̃, and with
-    ``reference`` (each window's float input X) the shift (X - X̃)ᵀX̃, else None), float64."""
-    gram = shift = None
-    kept = []
+def _inputs(states: list[dict], step: Step) -> list[torch.Tensor]:
+    """``step`` on every window's state, its result kept as the state's "x"; returns each
+    window's result as (tokens, I) float32 rows (views of it where it already is float32)."""
+    xs = []
     with torch.no_grad():
-        for w, st in enumerate(states):
+        for st in states:
             x = st["x"] = step(st)
-            flat = x.reshape(-1, x.shape[-1]).float()
-            if keep:
-                kept.append(flat)
-                continue
-            gram = _add_products(gram, flat, flat)
-            if reference is not None:
-                shift = _add_products(shift, reference[w] - flat, flat)
-    return kept if keep else (gram, shift)
+            xs.append(x.reshape(-1, x.shape[-1]).float())
+    return xs
+
+
+def _sums(xs: list[torch.Tensor], reference: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Gram X̃ᵀX̃ of the windows' inputs ``xs`` and, given each window's float input X
+    (``reference``), the shift (X - X̃)ᵀX̃, else None; float64."""
+    gram = shift = None
+    for w, x in enumerate(xs):
+        gram = _add_products(gram, x, x)
+        if reference is not None:
+            shift = _add_products(shift, reference[w] - x, x)
+    return gram, shift
 
 
 class LayerWalk:
@@ -251,18 +254,25 @@ class LayerWalk:
     def _block(self, groups: list[tuple[list[str], Step]],
                output: Callable[[dict], None] | None) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor | None]]:
         """One block (the head: ``output`` None) of the walk, as the class docstring says."""
+        # A group none of whose layers is optimised (one the recipe leaves unquantized) only moves
+        # the state on: no Gram is summed for it.
+        if self.inputs == "float":  # every Gram from the float run, before any layer is rounded
+            grams = []
+            for names, step in groups:
+                xs = _inputs(self.states, step)
+                if names:
+                    grams.append((names, _sums(xs)[0]))
+            _output(self.states, output)
+            yield from ((names, gram.float(), None) for names, gram in grams)
+            return
         reference = None
-        if self.inputs != "quantized":  # the float run, before any of these layers is rounded
-            states = self.float_states if self.inputs == "asymmetric" else self.states
-            runs = [_run(states, step, keep=self.inputs == "asymmetric") for _, step in groups]
-            _output(states, output)
-            if self.inputs == "float":
-                yield from ((names, gram.float(), None) for (names, _), (gram, _) in zip(groups, runs) if names)
-                return
-            reference = runs
+        if self.inputs == "asymmetric":  # the float model's inputs, before any of these layers is rounded
+            reference = [_inputs(self.float_states, step) for _, step in groups]
+            _output(self.float_states, output)
         for g, (names, step) in enumerate(groups):
-            gram, shift = _run(self.states, step, None if reference is None else reference[g])
+            xs = _inputs(self.states, step)
             if names:
+                gram, shift = _sums(xs, None if reference is None else reference[g])
                 yield names, gram.float(), shift
         _output(self.states, output)
 

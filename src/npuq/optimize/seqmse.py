@@ -251,16 +251,16 @@ def seq_mse_search(
     pool_loss = torch.cat([coarse_loss, layer_fine_loss])
     if granularity == "layer":
         best = pool_loss.flatten(1).sum(1).argmin()
-        mult = pool_m[best]
+        mult, chosen_loss = pool_m[best], pool_loss[best].sum().item()
         evaluations = len(coarse) + n
     else:
         unit_best = torch.gather(coarse, 0, coarse_loss.argmin(0, keepdim=True))[0]  # (*shape)
         fine = _fine_grid(unit_best, n)
         pool_m = torch.cat([pool_m, fine])
         pool_loss = torch.cat([pool_loss, score(fine)])
-        mult = torch.gather(pool_m, 0, pool_loss.argmin(0, keepdim=True))[0]
+        pick = pool_loss.argmin(0, keepdim=True)
+        mult, chosen_loss = torch.gather(pool_m, 0, pick)[0], torch.gather(pool_loss, 0, pick).sum().item()
         evaluations = len(coarse) + 2 * n
-    chosen_loss = score(mult.unsqueeze(0)).sum().item()
     return SearchResult(
         multipliers=mult.clone(),
         scale=base * (mult if block_scale is None else mult.unsqueeze(1)),
