@@ -56,6 +56,8 @@ def test_flag_out_of_range_is_one_line(capsys, tmp_path, argv, message):
     (["quantize", "--act-order"], "--act-order orders GPTQ's rounding"),
     (["quantize", "--layer-inputs", "quantized"], "add --seq-mse N and/or --weight-rounding gptq"),
     (["run", "--act-order", "--seq-mse", "8"], "add --weight-rounding gptq"),
+    (["quantize", "--gptq-damp", "0.1"], "add --weight-rounding gptq, or drop --gptq-damp"),
+    (["quantize", "--weight-rounding", "gptq", "--gptq-damp", "-1"], "--gptq-damp -1 must be a positive number"),
 ])
 def test_flags_that_must_fit_the_context(capsys, tmp_path, monkeypatch, argv, message):
     import npuq.models
@@ -134,6 +136,17 @@ def test_cli_is_offline_before_transformers_is_imported(tmp_path, user):
         assert report["offline"] is True and report["blocked"] == "OfflineModeIsEnabled"  # no request left the process
     else:
         assert report["offline"] is False  # the user's explicit choice wins (e.g. to fill a cache once)
+
+
+def test_gptq_damp_help_states_the_default(capsys):
+    """The help is written out (importing GPTQ for --help would import torch): its default must be
+    GPTQ's."""
+    from npuq.optimize.gptq import GptqOptions
+
+    with pytest.raises(SystemExit):
+        cli.main(["quantize", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default {GptqOptions().damp:g} with --weight-rounding gptq;" in text
 
 
 def test_model_help_names_every_builtin(capsys):

@@ -14,6 +14,7 @@ from npuq.eval.perplexity import EvalOptions
 from npuq.lower.export import ExportOptions
 from npuq.lower.manifest import (EXPORT_FORMAT, ArtifactRef, GraphEntry, IOEncoding, IOEntry, LoweringChoices, Manifest,
                                  TargetInfo, TokenizerRef)
+from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.recovery import RecoverySummary
 from npuq.runs import RunOptions
 from npuq.quant.recipe import RECIPES
@@ -26,8 +27,8 @@ OTHER = {
     QuantizeOptions: {"model": "tiny", "scheme": "16a4w", "recipe": "16a4w_mixed", "calib_corpus": "file:x.txt",
                       "calib_tokens": 8192, "context": 256, "calibration_mode": "sequential", "prefill_len": 16,
                       "batch_size": 2, "seq_mse": 50, "seq_mse_granularity": "layer", "weight_rounding": "gptq",
-                      "layer_inputs": "float", "act_order": False, "rotate": "r1", "bits_per_weight": 6.5,
-                      "parts": 2},
+                      "layer_inputs": "float", "act_order": False, "gptq_damp": 0.5, "rotate": "r1",
+                      "bits_per_weight": 6.5, "parts": 2},
     ExportOptions: {"qnn_version": "2.47", "htp_arch": 75, "soc": "SM8650", "embedding_pattern": "legacy",
                     "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True,
                     "genai": "shared", "shards": 2},
@@ -38,6 +39,7 @@ OTHER = {
 }
 # fields that need a companion change to stay valid
 COMPANIONS = {("QuantizeOptions", "layer_inputs"): {"seq_mse": 50}, ("QuantizeOptions", "act_order"): {"weight_rounding": "gptq"},
+              ("QuantizeOptions", "gptq_damp"): {"weight_rounding": "gptq"},
               ("EvalOptions", "max_docs"): {}, ("QuantizeOptions", "seq_mse_granularity"): {"seq_mse": 50},
               ("ExportOptions", "compile"): {"htp_arch": 73},
               ("ExportOptions", "share_weights"): {"htp_arch": 73, "compile": True}}
@@ -76,10 +78,13 @@ def test_json_round_trip(cls):
 def test_defaults_that_depend_on_other_fields_are_filled_in():
     assert QuantizeOptions(context=512).prefill_len == 32 and QuantizeOptions(context=40).prefill_len == 20
     gptq = QuantizeOptions(weight_rounding="gptq")
-    assert (gptq.layer_inputs, gptq.act_order) == ("quantized", True)
-    assert gptq == QuantizeOptions(weight_rounding="gptq", layer_inputs="quantized", act_order=True)
+    assert (gptq.layer_inputs, gptq.act_order, gptq.gptq_damp) == ("quantized", True, GptqOptions().damp)
+    assert gptq == QuantizeOptions(weight_rounding="gptq", layer_inputs="quantized", act_order=True,
+                                   gptq_damp=GptqOptions().damp)
     assert record_key(gptq) == record_key(QuantizeOptions(weight_rounding="gptq", act_order=True))
-    assert (QuantizeOptions().layer_inputs, QuantizeOptions().act_order) == (None, None)
+    assert gptq.recovery.gptq == GptqOptions()
+    assert (QuantizeOptions().layer_inputs, QuantizeOptions().act_order, QuantizeOptions().gptq_damp) == (None, None, None)
+    assert "gptq_damp" not in to_json(QuantizeOptions())  # the keys of runs without GPTQ stay as they were
     assert ExportOptions(htp_arch="v73").htp_arch == 73 and ExportOptions(soc="sm8650").soc == "SM8650"
 
 
@@ -99,6 +104,8 @@ def test_reading_refuses_what_does_not_fit(data, message):
     (lambda: QuantizeOptions(calib_tokens=100, context=512), "--calib-tokens 100 is less than one window"),
     (lambda: QuantizeOptions(prefill_len=512, context=512), "--prefill-len 512 must be at least 1 and below"),
     (lambda: QuantizeOptions(act_order=True), "--act-order orders GPTQ"),
+    (lambda: QuantizeOptions(gptq_damp=0.1), "--gptq-damp damps GPTQ's Hessian"),
+    (lambda: QuantizeOptions(weight_rounding="gptq", gptq_damp=0.0), "--gptq-damp 0 must be a positive number"),
     (lambda: QuantizeOptions(calibration_mode="fast"), "unknown --calibration-mode"),
     (lambda: ExportOptions(htp_arch=73, soc="SM8650"), "either --htp-arch or --soc"),
     (lambda: ExportOptions(qnn_version="two"), "two"),
@@ -183,7 +190,8 @@ OPTIMIZE_JSON = {"seq_mse": {"candidates": 4, "granularity": "channel", "seconds
 def test_optimize_summary_keeps_its_json():
     """The recovery summary record reads what the dict-writing versions wrote and writes it back
     byte for byte (same keys, same order), so existing artifacts read back unchanged."""
-    for data in (OPTIMIZE_JSON, {**OPTIMIZE_JSON, "seq_mse": {"candidates": None, "granularity": None, "seconds": 0.0},
+    for data in (OPTIMIZE_JSON, {**OPTIMIZE_JSON, "weight_rounding": {**OPTIMIZE_JSON["weight_rounding"], "damp": 0.1}},
+                 {**OPTIMIZE_JSON, "seq_mse": {"candidates": None, "granularity": None, "seconds": 0.0},
                                  "weight_rounding": {"method": "nearest", "seconds": 0.1, "act_order": None}}):
         record = from_json(RecoverySummary, json.loads(json.dumps(data)), "optimize")
         assert json.dumps(to_json(record)) == json.dumps(data)

@@ -161,7 +161,7 @@ def test_inverse_upper_factor_is_the_cholesky_factor_of_the_inverse():
     assert torch.allclose(U.T @ U, inverse, rtol=1e-8, atol=1e-10 * inverse.abs().max().item())
 
 
-def _obq_reference(weight, gram, scale, bits, damp=0.01):
+def _obq_reference(weight, gram, scale, bits, damp):
     """Independent reference (float64): round the columns in order; after each, spread its error
     over the columns left with the inverse Hessian of those columns, then drop the rounded column
     from it by Gaussian elimination (the OBQ update GPTQ's Cholesky form reorganises)."""
@@ -186,8 +186,9 @@ def test_gptq_equals_the_sequential_reference(block_scales):
     weight = torch.randn(12, 48, generator=g)
     x = torch.randn(300, 48, generator=g) @ (torch.eye(48) + 0.3 * torch.randn(48, 48, generator=g))
     scale = minmax_scale(weight, 4, block_size=16 if block_scales else None)
-    codes = gptq_codes(weight, _gram(x), scale, 4, block=16)  # three column blocks: the lazy updates too
-    assert torch.equal(codes.long(), _obq_reference(weight, _gram(x), scale, 4).long())
+    for damp in (0.01, 0.1):  # the published damping and npuq's
+        codes = gptq_codes(weight, _gram(x), scale, 4, damp=damp, block=16)  # three column blocks: the lazy updates too
+        assert torch.equal(codes.long(), _obq_reference(weight, _gram(x), scale, 4, damp).long())
 
 
 def test_gptq_rounds_each_output_row_on_its_own(monkeypatch):
@@ -280,4 +281,7 @@ def test_gptq_act_order_helps_when_outlier_inputs_come_last():
     x = (torch.randn(512, 64, generator=g) @ (torch.eye(64) + 0.3 * torch.randn(64, 64, generator=g))) * energy
     gram, scale = _gram(x), minmax_scale(weight, 4)
     err = lambda codes: ((x @ (weight - codes.float() * scale.unsqueeze(1)).T) ** 2).sum()
-    assert err(gptq_codes(weight, gram, scale, 4, act_order=True)) < 0.8 * err(gptq_codes(weight, gram, scale, 4))
+    # The published 1 % damping: the calibration loss itself is scored (npuq's 10 %, made for text
+    # of other domains, is dominated here by the four outlier channels' energy).
+    codes = {order: gptq_codes(weight, gram, scale, 4, damp=0.01, act_order=order) for order in (False, True)}
+    assert err(codes[True]) < 0.8 * err(codes[False])

@@ -15,6 +15,7 @@ from npuq.errors import NpuqError
 from npuq.models.decoder import in_part
 from npuq.optimize.driver import MAX_BITS, RecoveryOptions, WeightOptimizer, WeightSpec
 from npuq.quant.schemes import PerBlock
+from npuq.records import optional_key
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class RoundingSummary:
     method: str  # npuq.optimize.driver.ROUNDINGS
     seconds: float
     act_order: bool | None  # GPTQ's column order; None: nearest rounding
+    # GPTQ's damping (GptqOptions.damp); None (no key): nearest rounding, or an artifact older than the field
+    damp: float | None = optional_key()
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ class PartRecovery:
         return RecoverySummary(
             seq_mse=SeqMseSummary(o.seq_mse, o.seq_mse_granularity if o.seq_mse else None, timings["seq_mse_seconds"]),
             weight_rounding=RoundingSummary(o.weight_rounding, timings["rounding_seconds"],
-                                            o.gptq.act_order if o.gptq is not None else None),
+                                            o.gptq.act_order if o.gptq is not None else None,
+                                            o.gptq.damp if o.gptq is not None else None),
             gram_seconds=timings["collect_seconds"],
             layer_inputs=o.layer_inputs,
             layers=len(results),

@@ -43,7 +43,7 @@ ROTATION_SEED = 0  # the random signs of the Hadamard matrices: fixed, so a reru
 class QuantizeOptions:
     """Everything that decides the artifact; each field is the ``npuq quantize`` flag of the same
     name. Defaults that depend on other fields are filled in on construction (prefill length,
-    layer inputs, act-order), so two records that quantize alike are equal and hash alike."""
+    layer inputs, act-order, GPTQ's damping), so two records that quantize alike are equal and hash alike."""
 
     model: str = "smollm2-135m"
     scheme: str | None = None  # replaces the recipe's default scheme
@@ -59,6 +59,7 @@ class QuantizeOptions:
     weight_rounding: str = "nearest"
     layer_inputs: str | None = None  # None: "quantized" when recovery is on (RecoveryOptions)
     act_order: bool | None = None  # None: on with GPTQ
+    gptq_damp: float | None = optional_key()  # GPTQ's damping; None: GptqOptions' with GPTQ (no key without GPTQ)
     rotate: str | None = None  # ROTATE_CHOICES; None: the recipe's (built-in 4-bit recipes: r1). Read only
     # by load_recipe, which settles the rotation into the recipe (Recipe.rotation): nothing reads both
     parts: int | None = optional_key()  # quantize in this many parts, streamed; None: auto_parts
@@ -91,22 +92,30 @@ class QuantizeOptions:
         if self.act_order and self.weight_rounding != "gptq":
             raise NpuqError("--act-order orders GPTQ's rounding and does nothing with nearest rounding: "
                             "add --weight-rounding gptq, or drop --act-order")
+        if self.gptq_damp is not None and not 0 < self.gptq_damp < float("inf"):
+            raise NpuqError(f"--gptq-damp {self.gptq_damp:g} must be a positive number (a fraction of the mean "
+                            "input energy added to the Gram matrix's diagonal; 0.01 to 1 are usual)")
+        if self.gptq_damp is not None and self.weight_rounding != "gptq":
+            raise NpuqError("--gptq-damp damps GPTQ's Hessian and does nothing with nearest rounding: "
+                            "add --weight-rounding gptq, or drop --gptq-damp")
         gptq = None
         if self.weight_rounding == "gptq":
-            gptq = GptqOptions() if self.act_order is None else GptqOptions(act_order=self.act_order)
+            given = {"act_order": self.act_order, "damp": self.gptq_damp}
+            gptq = GptqOptions(**{k: v for k, v in given.items() if v is not None})
         recovery = RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs,
                                    gptq)  # its checks, and its defaults filled in
         # the resolved choices, so two records that quantize alike are equal; none without SeqMSE or GPTQ
         object.__setattr__(self, "layer_inputs", recovery.layer_inputs if recovery.recovers else None)
         object.__setattr__(self, "act_order", (recovery.gptq is not None and recovery.gptq.act_order)
                            if recovery.recovers else None)
+        object.__setattr__(self, "gptq_damp", recovery.gptq.damp if recovery.gptq is not None else None)
 
     @property
     def recovery(self) -> RecoveryOptions | None:
         """The SeqMSE/GPTQ options as the driver takes them; None when neither is on."""
         if not (self.seq_mse is not None or self.weight_rounding != "nearest"):
             return None
-        gptq = GptqOptions(act_order=self.act_order) if self.weight_rounding == "gptq" else None
+        gptq = GptqOptions(act_order=self.act_order, damp=self.gptq_damp) if self.weight_rounding == "gptq" else None
         return RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs, gptq)
 
     @property
