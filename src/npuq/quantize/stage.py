@@ -98,25 +98,28 @@ class QuantizeOptions:
         if self.gptq_damp is not None and self.weight_rounding != "gptq":
             raise NpuqError("--gptq-damp damps GPTQ's Hessian and does nothing with nearest rounding: "
                             "add --weight-rounding gptq, or drop --gptq-damp")
-        gptq = None
-        if self.weight_rounding == "gptq":
-            given = {"act_order": self.act_order, "damp": self.gptq_damp}
-            gptq = GptqOptions(**{k: v for k, v in given.items() if v is not None})
+        if self.weight_rounding == "gptq":  # GPTQ's own defaults for what was not given
+            default = GptqOptions()
+            object.__setattr__(self, "act_order", default.act_order if self.act_order is None else self.act_order)
+            object.__setattr__(self, "gptq_damp", default.damp if self.gptq_damp is None else self.gptq_damp)
         recovery = RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs,
-                                   gptq)  # its checks, and its defaults filled in
+                                   self._gptq)  # its checks, and its defaults filled in
         # the resolved choices, so two records that quantize alike are equal; none without SeqMSE or GPTQ
         object.__setattr__(self, "layer_inputs", recovery.layer_inputs if recovery.recovers else None)
-        object.__setattr__(self, "act_order", (recovery.gptq is not None and recovery.gptq.act_order)
-                           if recovery.recovers else None)
-        object.__setattr__(self, "gptq_damp", recovery.gptq.damp if recovery.gptq is not None else None)
+        if self.weight_rounding != "gptq":  # act-order orders GPTQ only: off with SeqMSE alone
+            object.__setattr__(self, "act_order", False if recovery.recovers else None)
+
+    @property
+    def _gptq(self) -> GptqOptions | None:
+        return GptqOptions(act_order=self.act_order, damp=self.gptq_damp) if self.weight_rounding == "gptq" else None
 
     @property
     def recovery(self) -> RecoveryOptions | None:
         """The SeqMSE/GPTQ options as the driver takes them; None when neither is on."""
         if not (self.seq_mse is not None or self.weight_rounding != "nearest"):
             return None
-        gptq = GptqOptions(act_order=self.act_order, damp=self.gptq_damp) if self.weight_rounding == "gptq" else None
-        return RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs, gptq)
+        return RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs,
+                               self._gptq)
 
     @property
     def phase(self) -> str:
