@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from npuq.testing.tiny import tiny_decoder
+from npuq.optimize import driver
 from npuq.optimize.driver import (
     WeightSpec,
     RecoveryOptions,
@@ -74,10 +75,13 @@ def _rtn_(module, bits=4):
         w.copy_(fake_quantize(w.float(), minmax_scale(w.float(), bits), bits))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_sequential_grams_equal_the_float_ones_while_nothing_is_rounded(arch):
+@pytest.mark.parametrize("arch, gram_rows", [("llama", None), ("gemma3", None), ("llama", 40)])
+def test_sequential_grams_equal_the_float_ones_while_nothing_is_rounded(arch, gram_rows, monkeypatch):
     # Block by block on cached hidden states (gemma3: sliding-window masks, two RoPE tables)
-    # must see exactly what one whole forward sees.
+    # must see exactly what one whole forward sees. gram_rows 40: the windows' rows (32, 32, 32, 7)
+    # are summed in several products, one window alone and two joined.
+    if gram_rows:
+        monkeypatch.setattr(driver, "GRAM_ROWS", gram_rows)
     _, model = tiny_decoder(arch, seed=1)
     names = _linears(model)
     windows = _windows(model.config.vocab_size) + [torch.randint(0, model.config.vocab_size, (1, 7))]
@@ -167,7 +171,10 @@ def test_asymmetric_target_is_the_least_squares_weight():
     assert torch.equal(asymmetric_target(w.float(), gram, torch.zeros_like(shift)), w.float())
 
 
-def test_asymmetric_walk_gives_each_group_its_float_input_shift():
+@pytest.mark.parametrize("gram_rows", [None, 40])
+def test_asymmetric_walk_gives_each_group_its_float_input_shift(gram_rows, monkeypatch):
+    if gram_rows:  # each window's 32 rows a product of its own
+        monkeypatch.setattr(driver, "GRAM_ROWS", gram_rows)
     _, model = tiny_decoder("llama", seed=3)
     _, reference = tiny_decoder("llama", seed=3)
     _, float_model = tiny_decoder("llama", seed=3)

@@ -159,6 +159,9 @@ def test_inverse_upper_factor_is_the_cholesky_factor_of_the_inverse():
     assert torch.allclose(U, reference, rtol=1e-9, atol=1e-12 * reference.abs().max().item())
     inverse = torch.linalg.inv(H)
     assert torch.allclose(U.T @ U, inverse, rtol=1e-8, atol=1e-10 * inverse.abs().max().item())
+    # In another order (act-order's): the factor of H with its rows and columns permuted first.
+    order = torch.randperm(40, generator=g)
+    assert torch.equal(inverse_upper_factor(H, order), inverse_upper_factor(H[order][:, order]))
 
 
 def _obq_reference(weight, gram, scale, bits, damp):

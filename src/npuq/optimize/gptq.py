@@ -31,13 +31,16 @@ def damped(gram: torch.Tensor, damp: float) -> torch.Tensor:
     return H
 
 
-def inverse_upper_factor(H: torch.Tensor) -> torch.Tensor:
-    """The upper triangular U with UᵀU = H⁻¹ for symmetric positive definite H, from one Cholesky
-    factorisation and one triangular solve: with P the order reversal and P H P = M Mᵀ (M lower),
-    H⁻¹ = P M⁻ᵀ M⁻¹ P = (P M⁻¹ P)ᵀ (P M⁻¹ P), and P M⁻¹ P is upper triangular with a positive
-    diagonal, so it is H⁻¹'s Cholesky factor. The usual chol(chol_inverse(chol(H))) factorises
-    twice more: at I = 4864 (float64, 2 cores) 1.85 s against 1.53 s, equal to 1e-16."""
-    M = torch.linalg.cholesky(H.flip(0, 1))
+def inverse_upper_factor(H: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """The upper triangular U with UᵀU = H_o⁻¹ for symmetric positive definite H, H_o its rows and
+    columns in ``order`` (default: as they are), in H's dtype, from one Cholesky factorisation and
+    one triangular solve: with P the order reversal and P H_o P = M Mᵀ (M lower),
+    H_o⁻¹ = P M⁻ᵀ M⁻¹ P = (P M⁻¹ P)ᵀ (P M⁻¹ P), and P M⁻¹ P is upper triangular with a positive
+    diagonal, so it is H_o⁻¹'s Cholesky factor. P H_o P is H in the reversed order, one gather.
+    The usual chol(chol_inverse(chol(H))) factorises twice more: at I = 4864 (float64, 2 cores)
+    1.85 s against 1.53 s, equal to 1e-16."""
+    reverse = (torch.arange(H.shape[0], device=H.device) if order is None else order).flip(0)
+    M = torch.linalg.cholesky(H[reverse[:, None], reverse])
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     return torch.linalg.solve_triangular(M, eye, upper=False).flip(0, 1)
 
@@ -67,12 +70,13 @@ def gptq_codes(
     q = qmax_for(bits)
     H = damped(gram, damp)
     perm = torch.argsort(torch.diagonal(H), descending=True) if act_order else torch.arange(I, device=H.device)
-    H = H[perm][:, perm]
-    # Upper Cholesky factor of H⁻¹: row j holds the error-propagation weights of column j. In
-    # float64: activation Grams span orders of magnitude, and a float32 factor (1.7x faster at
-    # I = 4864) took SmolLM2-135M 16a4w R1 + SeqMSE + GPTQ from 1.215x / 1.760x to 1.269x / 1.851x
-    # float perplexity (builtin / prose, 3584 calibration tokens, bench/accuracy.py).
-    Hinv = inverse_upper_factor(H).float()
+    # Upper Cholesky factor of H⁻¹ in rounding order: row j holds the error-propagation weights of
+    # column j. In float64: activation Grams span orders of magnitude, and a float32 factor (1.7x
+    # faster at I = 4864) took SmolLM2-135M 16a4w R1 + SeqMSE + GPTQ (damping 0.01) from 1.215x /
+    # 1.760x to 1.269x / 1.851x float perplexity (builtin / prose, bench/accuracy.py); at damping
+    # 0.1 it saved Qwen2.5-Coder-0.5B LPBQ ~20 s of 320 and moved its prose / code ratios from
+    # 1.105x / 1.072x to 1.126x / 1.136x at the same KL divergence (0.113 / 0.074 nats).
+    Hinv = inverse_upper_factor(H, perm).float()
     # Columns in rounding order, each contiguous (I, O), and the scale of each column's weights.
     Wt = weight.detach().float()[:, perm].T.contiguous()
     per_block = scale.dim() == 2
