@@ -15,9 +15,9 @@ configuration is scored at context 512 on
 Every configuration starts from the same float weights; one with ``rotate`` ("r1" or "r1+r2")
 first folds rotations into them (npuq.optimize.rotate, seed 0, as ``npuq quantize --rotate``
 does), and each rotation used also gets a float row of its own (same perplexity as float to
-~1e-6). ``--set domains`` (default): float, 16a8w, and 16a4w / 16a4w_block / 16a4w_mixed with
-SeqMSE 50 + GPTQ (npuq's defaults for them: quantized layer inputs, act-order) without and with
-each rotation; ``--set recovery``: the recovery methods one by one on the builtin domain's
+~1e-6). ``--set domains`` (default): float, 16a8w, and 16a4w / 16a4w_block / 16a4w_mixed /
+16a4w_block_mixed with SeqMSE 50 + GPTQ (npuq's defaults for them: quantized layer inputs,
+act-order) without and with each rotation, and with GPTAQ (rotated r1); ``--set recovery``: the recovery methods one by one on the builtin domain's
 recipes; ``--set calibration``: 16a8w (plain and rotated r1), 16a4w, 16a4w_block and
 16a4w_mixed (rotated r1, SeqMSE + GPTQ) calibrated on the builtin calib split alone or half
 and half with other prose (``builtin+prose``: the calib split of ``prose`` is Milton's
@@ -72,7 +72,7 @@ def config(label: str, recipe: str, seq_mse: int | None = None, granularity: str
 
 
 DOMAIN_CONFIGS = [config("16a8w", "16a8w")]
-for _recipe in ("16a4w", "16a4w_block", "16a4w_mixed"):
+for _recipe in ("16a4w", "16a4w_block", "16a4w_mixed", "16a4w_block_mixed"):
     for _rotate in (None, "r1", "r1+r2"):
         DOMAIN_CONFIGS.append(config(f"{_recipe} + SeqMSE + GPTQ" + (f", rotated {_rotate}" if _rotate else ""),
                                      _recipe, 50, rounding="gptq", inputs="quantized", act_order=True, rotate=_rotate))

@@ -19,14 +19,14 @@ from npuq.runtime.runner import StaticRunner
 CONTEXT, PREFILL = 16, 4
 
 
-def _quantize(tmp_path_factory, name, scheme, embedding=None, kv_bits=None):
+def _quantize(tmp_path_factory, name, scheme, embedding=None, kv_bits=None, recipe=None):
     from npuq.testing.tiny import tiny_decoder
     from npuq.quantize.artifact import save_artifact
     from npuq.quantize.pt2e import quantize_model
     from npuq.quant.recipe import load_recipe
 
     _, model = tiny_decoder(name, max_context=CONTEXT)
-    recipe = load_recipe(None, scheme)
+    recipe = load_recipe(recipe, scheme)
     if embedding is not None:
         recipe = dataclasses.replace(recipe, embedding=embedding)
     if kv_bits is not None:
@@ -152,6 +152,21 @@ def test_lpbq_and_pcq_run_on_htp(pcq_artifact, tmp_path):
         pytest.skip(qnn_available())
     export_artifact(pcq_artifact, tmp_path / "out", ExportOptions(qnn_version="2.51", htp_arch=73))
     got, bound = _runner_vs_artifact(pcq_artifact, tmp_path / "out", "htp", _tokens(7))
+    assert got <= bound
+
+
+@pytest.mark.parametrize("provider", ["cpu", "htp"])
+def test_lpbq_and_8bit_weights_in_one_graph(tmp_path_factory, tmp_path, provider):
+    """16a4w_block_mixed: LPBQ 4-bit projections beside per-channel 8-bit down projections and lm
+    head in the same graphs, against the PT2E programs (the bound of test_runner_matches_artifact)."""
+    if provider == "htp" and qnn_available():
+        pytest.skip(qnn_available())
+    art = _quantize(tmp_path_factory, "qwen2", None, recipe="16a4w_block_mixed")
+    export_artifact(art, tmp_path / "out", ExportOptions(qnn_version="2.51", htp_arch=73))
+    weights = json.loads((tmp_path / "out" / "decode.encodings.json").read_text())["param_encodings"]
+    kinds = {e["enc_type"] for e in weights if "weight" in e["name"]}
+    assert {"LPBQ", "PER_CHANNEL"} <= kinds, kinds
+    got, bound = _runner_vs_artifact(art, tmp_path / "out", provider, _tokens(7))
     assert got <= bound
 
 

@@ -166,6 +166,7 @@ CASES = [  # (family, recipe, calibration mode): every family, both modes, every
     ("qwen3", "16a8w", "sequential"),
     ("gemma3", "16a4w_block", "onepass"),
     ("smollm3", "16a4w_mixed", "onepass"),
+    ("llama", "16a4w_block_mixed", "sequential"),
 ]
 
 

@@ -56,6 +56,13 @@ def test_summary_lists_every_layer_and_its_rule():
     assert rows[("layers.0.self_attn.q_proj", "linear")] == ("default", "16a4w")
 
 
+def test_block_mixed_is_mixed_with_lpbq_for_the_4bit_layers():
+    block, mixed = RECIPES["16a4w_block_mixed"].plan(LAYERS), RECIPES["16a4w_mixed"].plan(LAYERS)
+    for a, b in zip(block.layers, mixed.layers, strict=True):
+        assert (a.path, a.kind, a.rule) == (b.path, b.kind, b.rule)
+        assert a.scheme == ("16a4w_block" if b.scheme == "16a4w" else b.scheme), a
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(default="16a8w", kv_bits=4), "kv_bits must be 8 or 16"),
     (dict(default="8a8w", kv_bits=16), "exceeds the 8-bit activations"),
