@@ -17,8 +17,8 @@ first folds rotations into them (npuq.optimize.rotate, seed 0, as ``npuq quantiz
 does), and each rotation used also gets a float row of its own (same perplexity as float to
 ~1e-6). ``--set domains`` (default): float, 16a8w, and 16a4w / 16a4w_block / 16a4w_mixed /
 16a4w_block_mixed with SeqMSE 50 + GPTQ (npuq's defaults for them: quantized layer inputs,
-act-order) without and with each rotation, and with GPTAQ (rotated r1); ``--set recovery``: the recovery methods one by one on the builtin domain's
-recipes; ``--set calibration``: 16a8w (plain and rotated r1), 16a4w, 16a4w_block and
+act-order) without and with each rotation, and with GPTAQ (rotated r1); ``--set recovery``:
+the recovery methods one by one on the builtin domain's recipes; ``--set calibration``: 16a8w (plain and rotated r1), 16a4w, 16a4w_block and
 16a4w_mixed (rotated r1, SeqMSE + GPTQ) calibrated on the builtin calib split alone or half
 and half with other prose (``builtin+prose``: the calib split of ``prose`` is Milton's
 Areopagitica, never scored); ``--set calibration-mix``: the default 16a8w (rotated r1) and
