@@ -28,14 +28,18 @@ measurement behind the default calibration text (docs/design.md §12). ``--layer
 layer's output and weight SQNR against the float model in the row's basis (rotated as the row
 is; npuq.eval.layers, as ``npuq run``'s layers stage) on the first N tokens of the builtin eval
 split, and for rows that rotate, the lowest and the largest loss against the same row
-unrotated when that row ran too. Writes JSON, again after every row:
+unrotated when that row ran too. ``--kl-divergence`` also scores the float model on each
+quantized row's windows and records, per domain, the mean and 99th percentile of the per-token
+KL divergence from it and the top-1 agreement (npuq.eval.kld, as ``npuq eval --kl-divergence``):
+steadier between calibration draws than a perplexity ratio. Writes JSON, again after every row:
 
-    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 4096] [--calib-offset 0] [--eval-tokens 4096] [--layer-tokens 0] [--out FILE]
+    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 4096] [--calib-offset 0] [--eval-tokens 4096] [--layer-tokens 0] [--kl-divergence] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import platform
@@ -144,6 +148,9 @@ def main() -> None:
     ap.add_argument("--gptq-damp", type=float, default=None, help="GPTQ's damping (fraction of H's mean diagonal; "
                     "default: npuq's)")
     ap.add_argument("--layer-tokens", type=int, default=0, help="per-layer SQNR on this many eval tokens (0: off)")
+    ap.add_argument("--kl-divergence", action="store_true",
+                    help="also score the float model on each quantized row's windows: kld_mean, kld_p99 and "
+                         "top1_agreement per domain, as npuq eval --kl-divergence (one more float forward per batch)")
     ap.add_argument("--out", default="out/bench/accuracy.json")
     args = ap.parse_args()
 
@@ -151,6 +158,7 @@ def main() -> None:
     model, tok = loaded.model, loaded.tokenizer
     float_state = {k: v.clone() for k, v in model.state_dict().items()}
     float_config = model.config
+    reference = copy.deepcopy(model) if args.kl_divergence else None  # the float model, unrotated: the same function
     rotated: dict[str, tuple] = {}  # rotate → (state, config, report), computed once
 
     def load_weights(rotate: str | None) -> dict | None:
@@ -185,14 +193,17 @@ def main() -> None:
     calibs = {name: calibration(spec) for name, spec in calib_specs.items()}
     domains = {name: load_corpus(name, "eval") for name in DOMAINS}
 
-    def evaluate(logits_fn, row, batch_size=1):
+    def evaluate(logits_fn, row, batch_size=1, quantized=False):
         """Score every domain into ``row``: metrics per domain, and ratios to the float row.
-        ``batch_size`` > 1: windows of mixed lengths per call (the QDQ programs' scoring program)."""
+        ``batch_size`` > 1: windows of mixed lengths per call (the QDQ programs' scoring program).
+        ``quantized`` with --kl-divergence: the divergence from the float model on the same windows."""
         row["domains"] = {}
+        reference_fn = (lambda t: forward_logits(reference, t)) if quantized and reference is not None else None
         for name, docs in domains.items():
             r = evaluate_perplexity(logits_fn, tok, docs, args.context, max_tokens=args.eval_tokens,
-                                    batch_size=batch_size, mixed=batch_size > 1)
-            m = {k: getattr(r, k) for k in ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens", "seconds")}
+                                    batch_size=batch_size, mixed=batch_size > 1, reference_fn=reference_fn)
+            keys = ("word_perplexity", "byte_perplexity", "bits_per_byte", "tokens", "seconds")
+            m = {k: getattr(r, k) for k in keys + (("kld_mean", "kld_p99", "top1_agreement") if reference_fn else ())}
             if rows:
                 base = rows[0]["domains"][name]
                 m["word_over_float"] = m["word_perplexity"] / base["word_perplexity"]
@@ -208,7 +219,7 @@ def main() -> None:
         result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
                   "calib_offset": args.calib_offset,
                   "gptq_damp": args.gptq_damp if args.gptq_damp is not None else GptqOptions().damp,
-                  "eval_tokens": args.eval_tokens, "calibration": calib_specs, "domains": DOMAINS,
+                  "eval_tokens": args.eval_tokens, "kl_divergence": args.kl_divergence, "calibration": calib_specs, "domains": DOMAINS,
                   "python": platform.python_version(), "threads": torch.get_num_threads(), "rows": rows}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_json(args.out, result)
@@ -259,7 +270,7 @@ def main() -> None:
         folded: dict = {}  # one float copy of the weights for all programs: same numbers, faster
         qm.decode, qm.prefill, qm.scoring = (fold_constant_dequant(gm, folded) for gm in (qm.decode, qm.prefill, qm.scoring))
         with torch.no_grad():
-            evaluate(qm.logits, row, SCORING_BATCH)  # four windows per call, as npuq eval --artifact
+            evaluate(qm.logits, row, SCORING_BATCH, quantized=True)  # four windows per call, as npuq eval --artifact
         if args.layer_tokens:
             load_weights(spec["rotate"])  # the float weights in the row's basis (recovery rounded them in place)
             errors = layer_errors(model, qm.graphs(), qm.config, args.context, layer_ids)
