@@ -18,8 +18,8 @@ does), and each rotation used also gets a float row of its own (same perplexity 
 ~1e-6). ``--set domains`` (default): float, 16a8w, and 16a4w / 16a4w_block / 16a4w_mixed /
 16a4w_block_mixed with SeqMSE 50 + GPTQ (npuq's defaults for them: quantized layer inputs,
 act-order) without and with each rotation, and with GPTAQ (rotated r1); ``--set recovery``:
-the recovery methods one by one on the builtin domain's recipes; ``--set calibration``: 16a8w (plain and rotated r1), 16a4w, 16a4w_block and
-16a4w_mixed (rotated r1, SeqMSE + GPTQ) calibrated on the builtin calib split alone or half
+the recovery methods one by one on the builtin domain's recipes; ``--set calibration``: 16a8w
+(plain and rotated r1), 16a4w, 16a4w_block and 16a4w_mixed (rotated r1, SeqMSE + GPTQ) calibrated on the builtin calib split alone or half
 and half with other prose (``builtin+prose``: the calib split of ``prose`` is Milton's
 Areopagitica, never scored); ``--set calibration-mix``: the default 16a8w (rotated r1) and
 16a4w_mixed / 16a4w_block (rotated r1, SeqMSE + GPTQ) calibrated on each of builtin,
@@ -193,12 +193,11 @@ def main() -> None:
     calibs = {name: calibration(spec) for name, spec in calib_specs.items()}
     domains = {name: load_corpus(name, "eval") for name in DOMAINS}
 
-    def evaluate(logits_fn, row, batch_size=1, quantized=False):
+    def evaluate(logits_fn, row, batch_size=1, reference_fn=None):
         """Score every domain into ``row``: metrics per domain, and ratios to the float row.
         ``batch_size`` > 1: windows of mixed lengths per call (the QDQ programs' scoring program).
-        ``quantized`` with --kl-divergence: the divergence from the float model on the same windows."""
+        ``reference_fn``: the float model's logits, for the divergence from it on the same windows."""
         row["domains"] = {}
-        reference_fn = (lambda t: forward_logits(reference, t)) if quantized and reference is not None else None
         for name, docs in domains.items():
             r = evaluate_perplexity(logits_fn, tok, docs, args.context, max_tokens=args.eval_tokens,
                                     batch_size=batch_size, mixed=batch_size > 1, reference_fn=reference_fn)
@@ -219,7 +218,8 @@ def main() -> None:
         result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
                   "calib_offset": args.calib_offset,
                   "gptq_damp": args.gptq_damp if args.gptq_damp is not None else GptqOptions().damp,
-                  "eval_tokens": args.eval_tokens, "kl_divergence": args.kl_divergence, "calibration": calib_specs, "domains": DOMAINS,
+                  "eval_tokens": args.eval_tokens, "kl_divergence": args.kl_divergence, "calibration": calib_specs,
+                  "domains": DOMAINS,
                   "python": platform.python_version(), "threads": torch.get_num_threads(), "rows": rows}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_json(args.out, result)
@@ -270,7 +270,8 @@ def main() -> None:
         folded: dict = {}  # one float copy of the weights for all programs: same numbers, faster
         qm.decode, qm.prefill, qm.scoring = (fold_constant_dequant(gm, folded) for gm in (qm.decode, qm.prefill, qm.scoring))
         with torch.no_grad():
-            evaluate(qm.logits, row, SCORING_BATCH, quantized=True)  # four windows per call, as npuq eval --artifact
+            evaluate(qm.logits, row, SCORING_BATCH,  # four windows per call, as npuq eval --artifact
+                     None if reference is None else lambda t: forward_logits(reference, t))
         if args.layer_tokens:
             load_weights(spec["rotate"])  # the float weights in the row's basis (recovery rounded them in place)
             errors = layer_errors(model, qm.graphs(), qm.config, args.context, layer_ids)

@@ -106,12 +106,12 @@ class PartRecovery:
         """What was done over the parts so far."""
         results, timings, o = self.optimizer.results, self.optimizer.timings, self.options
         gptq = o.gptq
+        act_order, damp = (gptq.act_order, gptq.damp) if gptq is not None else (None, None)
         before = sum(r.loss_minmax for r in results.values())
         after = sum(r.loss for r in results.values())
         return RecoverySummary(
             seq_mse=SeqMseSummary(o.seq_mse, o.seq_mse_granularity if o.seq_mse else None, timings["seq_mse_seconds"]),
-            weight_rounding=RoundingSummary(o.weight_rounding, timings["rounding_seconds"],
-                                            *((gptq.act_order, gptq.damp) if gptq is not None else (None, None))),
+            weight_rounding=RoundingSummary(o.weight_rounding, timings["rounding_seconds"], act_order, damp),
             gram_seconds=timings["collect_seconds"],
             layer_inputs=o.layer_inputs,
             layers=len(results),
