@@ -25,7 +25,7 @@ from npuq.records import from_json, record_key, to_json
 # A second valid value for every field of every options record (a field missing here fails).
 OTHER = {
     QuantizeOptions: {"model": "tiny", "scheme": "16a4w", "recipe": "16a4w_mixed", "calib_corpus": "file:x.txt",
-                      "calib_tokens": 8192, "context": 256, "calibration_mode": "sequential", "prefill_len": 16,
+                      "calib_tokens": 8192, "calib_offset": 4096, "context": 256, "calibration_mode": "sequential", "prefill_len": 16,
                       "batch_size": 2, "seq_mse": 50, "seq_mse_granularity": "layer", "weight_rounding": "gptq",
                       "layer_inputs": "float", "act_order": False, "gptq_damp": 0.5, "rotate": "r1",
                       "bits_per_weight": 6.5, "parts": 2},
@@ -85,6 +85,7 @@ def test_defaults_that_depend_on_other_fields_are_filled_in():
     assert gptq.recovery.gptq == GptqOptions()
     assert (QuantizeOptions().layer_inputs, QuantizeOptions().act_order, QuantizeOptions().gptq_damp) == (None, None, None)
     assert "gptq_damp" not in to_json(QuantizeOptions())  # the keys of runs without GPTQ stay as they were
+    assert QuantizeOptions(calib_offset=0) == QuantizeOptions() and "calib_offset" not in to_json(QuantizeOptions())
     assert ExportOptions(htp_arch="v73").htp_arch == 73 and ExportOptions(soc="sm8650").soc == "SM8650"
 
 
@@ -107,6 +108,7 @@ def test_reading_refuses_what_does_not_fit(data, message):
     (lambda: QuantizeOptions(gptq_damp=0.1), "--gptq-damp damps GPTQ's Hessian"),
     (lambda: QuantizeOptions(weight_rounding="gptq", gptq_damp=0.0), "--gptq-damp 0 must be a positive number"),
     (lambda: QuantizeOptions(calibration_mode="fast"), "unknown --calibration-mode"),
+    (lambda: QuantizeOptions(calib_offset=-1), "--calib-offset -1 must be 0 or more"),
     (lambda: ExportOptions(htp_arch=73, soc="SM8650"), "either --htp-arch or --soc"),
     (lambda: ExportOptions(qnn_version="two"), "two"),
     (lambda: ExportOptions(embedding_pattern="new"), "unknown embedding pattern"),

@@ -188,6 +188,9 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                         f"builtin+file:mine.txt (default: {CALIB_CORPUS})")
     p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N",
                    help="calibration tokens (whole windows of --context, plus one shorter tail) (default 4096)")
+    p.add_argument("--calib-offset", type=_nonneg_int, default=None, metavar="N",
+                   help="skip the first N tokens of the calib split (of each corpus of a mix): another draw of "
+                        "the same text, to see how much a score owes to the sample (default 0)")
     p.add_argument("--context", type=_context, default=512, metavar="L",
                    help="context length of the programs and of the calibration (and evaluation) windows (default 512)")
     p.add_argument("--prefill-len", type=_pos_int, default=None, metavar="N",

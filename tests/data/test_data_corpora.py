@@ -124,6 +124,13 @@ def test_a_mix_alternates_its_parts_and_takes_an_equal_share_of_tokens(tmp_path)
     assert tokens[:51] == alone  # the first part's share: 51 of 101
     assert tokens[51] == 0 and len(tokens) == 101  # then BOS and 49 words of the file
     assert tokens[52:] == Words().encode("zeta eta theta " * 50)[:49]
+    # An offset draws later text: of a single corpus, the same tokens as a longer draw from 0 cut
+    # by hand; of a mix, each part from its own offset.
+    assert corpus_tokens(Words(), "builtin", 40, offset=30) == corpus_tokens(Words(), "builtin", 70)[30:]
+    shifted = corpus_tokens(Words(), mix, 101, offset=7)
+    assert shifted[:51] == corpus_tokens(Words(), [d for d in mix if d.part == "builtin"], 58)[7:]
+    assert shifted[51:] == ([0] + Words().encode("zeta eta theta " * 50))[7:7 + 50]
+    assert corpus_tokens(Words(), [mix[1]], 10, offset=150) == [1 + (hash("theta") % 1000)]  # 151 tokens: the last
     with pytest.raises(NpuqError, match="same corpus twice"):
         load_corpus("builtin+builtin")
     with pytest.raises(NpuqError, match="unknown corpus 'builtin\\+nope'; use builtin, file:PATH"):

@@ -123,6 +123,26 @@ def test_cli_quantize_end_to_end(tmp_path, hf_folder, capsys, monkeypatch):
     assert "already exists: pass --force" in capsys.readouterr().err
 
 
+def test_cli_quantize_calib_offset(tmp_path, hf_folder, capsys):
+    """--calib-offset N calibrates on the text N tokens later: config.json records the offset and
+    the activation encodings come out different from offset 0's; an offset past the text's end is
+    refused with the fix, before anything is written."""
+    folder, text = hf_folder
+    base = ["quantize", "--model", str(folder), "--calib-corpus", f"file:{text}", "--calib-tokens", "40",
+            "--context", str(CONTEXT), "--num-threads", "1"]
+    encodings = {}
+    for offset in (0, 200):
+        out = tmp_path / f"q{offset}"
+        assert main([*base, "--calib-offset", str(offset), "--out", str(out)]) == 0
+        config = json.loads((out / "config.json").read_text())
+        assert (config["calibration"]["offset"], config["calibration"]["tokens"]) == (offset, 40)
+        encodings[offset] = json.loads((out / "encodings.json").read_text())["activation_encodings"]
+    assert len(encodings[0]) == len(encodings[200]) and encodings[0] != encodings[200]
+    assert main([*base, "--calib-offset", "100000", "--out", str(tmp_path / "past")]) == 2
+    assert "--calib-offset 100000 skips the whole calib split" in capsys.readouterr().err
+    assert not (tmp_path / "past").exists()
+
+
 def test_cli_quantize_rotate(tmp_path, hf_folder, monkeypatch):
     """--rotate r1+r2: the artifact holds the float weights rotated as npuq.optimize.rotate
     rotates them (seed 0, the stage's fixed seed): every linear weight lies within one step of

@@ -78,26 +78,27 @@ def load_corpus(spec: str, split: str = "eval") -> list[Document]:
     return docs
 
 
-def corpus_tokens(tokenizer: Any, corpus: Any, n_tokens: int, split: str = "calib") -> list[int]:
-    """The first ``n_tokens`` tokens of the corpus's ``split`` (``corpus``: a spec, or documents
-    already loaded): each document prefixed with BOS (else EOS), documents concatenated in id order.
-    A mix takes the first ``n_tokens / parts`` tokens of each part, parts in the order given."""
+def corpus_tokens(tokenizer: Any, corpus: Any, n_tokens: int, split: str = "calib", offset: int = 0) -> list[int]:
+    """Tokens ``offset`` … ``offset + n_tokens`` - 1 of the corpus's ``split`` (``corpus``: a spec,
+    or documents already loaded): each document prefixed with BOS (else EOS), documents
+    concatenated in id order. A mix takes ``n_tokens / parts`` tokens of each part, each from its
+    own ``offset``, parts in the order given. Fewer where the text ends first."""
     docs = load_corpus(corpus, split) if isinstance(corpus, str) else corpus
     parts = list(dict.fromkeys(d.part for d in docs))
     if len(parts) > 1:
         shares = [n_tokens // len(parts) + (i < n_tokens % len(parts)) for i in range(len(parts))]
         return [t for part, share in zip(parts, shares)
-                for t in corpus_tokens(tokenizer, [d for d in docs if d.part == part], share)]
+                for t in corpus_tokens(tokenizer, [d for d in docs if d.part == part], share, offset=offset)]
     prefix = getattr(tokenizer, "bos_token_id", None)
     if prefix is None:
         prefix = getattr(tokenizer, "eos_token_id", None)
     ids: list[int] = []
     for doc in docs:
-        if len(ids) >= n_tokens:
+        if len(ids) >= offset + n_tokens:
             break
         body = list(tokenizer.encode(doc.target, add_special_tokens=False))
         ids += ([prefix] if prefix is not None else []) + body
-    return ids[:n_tokens]
+    return ids[offset : offset + n_tokens]
 
 
 def replaced_characters(docs: list[Document]) -> int:

@@ -50,6 +50,9 @@ class QuantizeOptions:
     recipe: str | None = None  # built-in name or JSON file; None: the model's default
     calib_corpus: str = CALIB_CORPUS
     calib_tokens: int = 4096
+    # tokens of the calib split skipped before the calibration text (of each part of a mix): another
+    # draw of the same corpus; None (no key, so earlier records keep their keys): 0
+    calib_offset: int | None = optional_key()
     context: int = 512
     calibration_mode: str = "onepass"
     prefill_len: int | None = None  # None: default_prefill_len(context)
@@ -81,6 +84,10 @@ class QuantizeOptions:
         if self.calib_tokens < self.context:
             raise NpuqError(f"--calib-tokens {self.calib_tokens} is less than one window of --context {self.context}: "
                             "raise it or lower the context")
+        if self.calib_offset is not None and self.calib_offset < 0:
+            raise NpuqError(f"--calib-offset {self.calib_offset} must be 0 or more (tokens of the calib split to skip)")
+        if self.calib_offset == 0:  # the default, so the two records are equal
+            object.__setattr__(self, "calib_offset", None)
         if self.parts is not None and self.parts < 1:
             raise NpuqError(f"--parts {self.parts} must be at least 1")
         if self.batch_size < 1:
@@ -243,7 +250,10 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     loaded = (open_streamed if parts > 1 else load_model)(o.model, max_context=max_context)
     if o.context > loaded.config.max_position_embeddings:
         raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
-    tokens = corpus_tokens(loaded.encoder, documents, o.calib_tokens)
+    tokens = corpus_tokens(loaded.encoder, documents, o.calib_tokens, offset=o.calib_offset or 0)
+    if len(tokens) < 2:
+        raise NpuqError(f"--calib-offset {o.calib_offset} skips the whole calib split of {o.calib_corpus!r} (its "
+                        "text ends first): give a smaller offset, or a longer corpus")
     weights_sha256 = start_weights_sha256(loaded.model)  # of the float weights as loaded
     if isinstance(loaded.model, StreamedDecoder):
         # Before the first part, not beside it: the hash widens each tensor to float32 in turn,
@@ -283,6 +293,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         saving = time.perf_counter()
         replaced = replaced_characters(documents)
         calibration = {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
+                       "offset": o.calib_offset or 0,
                        "tokens": qm.stats["calibration_tokens"], "mode": o.calibration_mode,
                        "batch_size": o.batch_size, "batch_size_used": qm.stats["batch_size"],
                        "replacement_characters": replaced,
