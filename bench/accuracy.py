@@ -147,6 +147,8 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true", help="--only names whole labels")
     ap.add_argument("--gptq-damp", type=float, default=None, help="GPTQ's damping (fraction of H's mean diagonal; "
                     "default: npuq's)")
+    ap.add_argument("--gptq-damp-down", type=float, default=None, help="GPTQ's damping of the MLP down projections "
+                    "(default: npuq's)")
     ap.add_argument("--layer-tokens", type=int, default=0, help="per-layer SQNR on this many eval tokens (0: off)")
     ap.add_argument("--kl-divergence", action="store_true",
                     help="also score the float model on each quantized row's windows: kld_mean, kld_p99 and "
@@ -218,6 +220,7 @@ def main() -> None:
         result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
                   "calib_offset": args.calib_offset,
                   "gptq_damp": args.gptq_damp if args.gptq_damp is not None else GptqOptions().damp,
+                  "gptq_damp_down": args.gptq_damp_down if args.gptq_damp_down is not None else GptqOptions().damp_down,
                   "eval_tokens": args.eval_tokens, "kl_divergence": args.kl_divergence, "calibration": calib_specs,
                   "domains": DOMAINS,
                   "python": platform.python_version(), "threads": torch.get_num_threads(), "rows": rows}
@@ -256,7 +259,7 @@ def main() -> None:
         recipe = load_recipe(spec["recipe"]).with_rotation(spec["rotate"])  # the rotation this row folds in itself
         start = time.perf_counter()
         scales = None
-        damp = {} if args.gptq_damp is None else {"damp": args.gptq_damp}
+        damp = {k: v for k, v in (("damp", args.gptq_damp), ("damp_down", args.gptq_damp_down)) if v is not None}
         if spec["seq_mse"] is not None or spec["rounding"] != "nearest":
             gptq = GptqOptions(act_order=bool(spec["act_order"]), **damp) if spec["rounding"] == "gptq" else None
             recovery = RecoveryOptions(spec["seq_mse"], spec["granularity"] or "channel", spec["rounding"],

@@ -58,6 +58,7 @@ def test_flag_out_of_range_is_one_line(capsys, tmp_path, argv, message):
     (["run", "--act-order", "--seq-mse", "8"], "add --weight-rounding gptq"),
     (["quantize", "--gptq-damp", "0.1"], "add --weight-rounding gptq, or drop --gptq-damp"),
     (["quantize", "--weight-rounding", "gptq", "--gptq-damp", "-1"], "--gptq-damp -1 must be a positive number"),
+    (["quantize", "--gptq-damp-down", "2"], "add --weight-rounding gptq, or drop --gptq-damp-down"),
 ])
 def test_flags_that_must_fit_the_context(capsys, tmp_path, monkeypatch, argv, message):
     import npuq.models
@@ -147,6 +148,7 @@ def test_gptq_damp_help_states_the_default(capsys):
         cli.main(["quantize", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert f"(default {GptqOptions().damp:g} with --weight-rounding gptq;" in text
+    assert f"(default {GptqOptions().damp_down:g} with --weight-rounding gptq)" in text
 
 
 def test_model_help_names_every_builtin(capsys):

@@ -27,7 +27,7 @@ OTHER = {
     QuantizeOptions: {"model": "tiny", "scheme": "16a4w", "recipe": "16a4w_mixed", "calib_corpus": "file:x.txt",
                       "calib_tokens": 8192, "calib_offset": 4096, "context": 256, "calibration_mode": "sequential", "prefill_len": 16,
                       "batch_size": 2, "seq_mse": 50, "seq_mse_granularity": "layer", "weight_rounding": "gptq",
-                      "layer_inputs": "float", "act_order": False, "gptq_damp": 0.5, "rotate": "r1",
+                      "layer_inputs": "float", "act_order": False, "gptq_damp": 0.5, "gptq_damp_down": 3.0, "rotate": "r1",
                       "bits_per_weight": 6.5, "parts": 2},
     ExportOptions: {"qnn_version": "2.47", "htp_arch": 75, "soc": "SM8650", "embedding_pattern": "legacy",
                     "embedding_storage": "int8-rowscale", "compile": True, "share_weights": True,
@@ -40,6 +40,7 @@ OTHER = {
 # fields that need a companion change to stay valid
 COMPANIONS = {("QuantizeOptions", "layer_inputs"): {"seq_mse": 50}, ("QuantizeOptions", "act_order"): {"weight_rounding": "gptq"},
               ("QuantizeOptions", "gptq_damp"): {"weight_rounding": "gptq"},
+              ("QuantizeOptions", "gptq_damp_down"): {"weight_rounding": "gptq"},
               ("EvalOptions", "max_docs"): {}, ("QuantizeOptions", "seq_mse_granularity"): {"seq_mse": 50},
               ("ExportOptions", "compile"): {"htp_arch": 73},
               ("ExportOptions", "share_weights"): {"htp_arch": 73, "compile": True}}
@@ -78,13 +79,14 @@ def test_json_round_trip(cls):
 def test_defaults_that_depend_on_other_fields_are_filled_in():
     assert QuantizeOptions(context=512).prefill_len == 32 and QuantizeOptions(context=40).prefill_len == 20
     gptq = QuantizeOptions(weight_rounding="gptq")
-    assert (gptq.layer_inputs, gptq.act_order, gptq.gptq_damp) == ("quantized", True, GptqOptions().damp)
+    assert (gptq.layer_inputs, gptq.act_order, gptq.gptq_damp, gptq.gptq_damp_down) == (
+        "quantized", True, GptqOptions().damp, GptqOptions().damp_down)
     assert gptq == QuantizeOptions(weight_rounding="gptq", layer_inputs="quantized", act_order=True,
-                                   gptq_damp=GptqOptions().damp)
+                                   gptq_damp=GptqOptions().damp, gptq_damp_down=GptqOptions().damp_down)
     assert record_key(gptq) == record_key(QuantizeOptions(weight_rounding="gptq", act_order=True))
     assert gptq.recovery.gptq == GptqOptions()
     assert (QuantizeOptions().layer_inputs, QuantizeOptions().act_order, QuantizeOptions().gptq_damp) == (None, None, None)
-    assert "gptq_damp" not in to_json(QuantizeOptions())  # the keys of runs without GPTQ stay as they were
+    assert not {"gptq_damp", "gptq_damp_down"} & set(to_json(QuantizeOptions()))  # runs without GPTQ keep their keys
     assert QuantizeOptions(calib_offset=0) == QuantizeOptions() and "calib_offset" not in to_json(QuantizeOptions())
     assert ExportOptions(htp_arch="v73").htp_arch == 73 and ExportOptions(soc="sm8650").soc == "SM8650"
 
@@ -107,6 +109,8 @@ def test_reading_refuses_what_does_not_fit(data, message):
     (lambda: QuantizeOptions(act_order=True), "--act-order orders GPTQ"),
     (lambda: QuantizeOptions(gptq_damp=0.1), "--gptq-damp damps GPTQ's Hessian"),
     (lambda: QuantizeOptions(weight_rounding="gptq", gptq_damp=0.0), "--gptq-damp 0 must be a positive number"),
+    (lambda: QuantizeOptions(gptq_damp_down=1.0), "--gptq-damp-down damps GPTQ's Hessian"),
+    (lambda: QuantizeOptions(weight_rounding="gptq", gptq_damp_down=-2.0), "--gptq-damp-down -2 must be a positive"),
     (lambda: QuantizeOptions(calibration_mode="fast"), "unknown --calibration-mode"),
     (lambda: QuantizeOptions(calib_offset=-1), "--calib-offset -1 must be 0 or more"),
     (lambda: ExportOptions(htp_arch=73, soc="SM8650"), "either --htp-arch or --soc"),

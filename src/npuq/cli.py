@@ -213,7 +213,10 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                    help="GPTQ adds F times the mean diagonal of each layer's input Gram matrix to its diagonal: "
                         "larger F trusts the calibration text's input correlations less, so the rounding holds "
                         "better on other text (default 0.1 with --weight-rounding gptq; the published default is "
-                        "0.01)")
+                        "0.01); every layer but the MLP down projections")
+    p.add_argument("--gptq-damp-down", type=float, default=None, metavar="F",
+                   help="--gptq-damp for the MLP down projections, whose inputs (the activation product) differ "
+                        "most from one text to another (default 1 with --weight-rounding gptq)")
     p.add_argument("--layer-inputs", choices=("float", "quantized", "asymmetric"), default=None,
                    help="inputs SeqMSE and GPTQ fit each layer to: the quantized model's own, block by block, so "
                         "each layer sees the rounding of all before it (default); the float model's (one forward); "

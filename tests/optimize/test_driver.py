@@ -12,7 +12,7 @@ from npuq.optimize.driver import (
     asymmetric_target,
     sequential_groups,
 )
-from npuq.optimize.gptq import GptqOptions
+from npuq.optimize.gptq import GptqOptions, gptq_codes
 from npuq.optimize.seqmse import fake_quantize, minmax_scale
 from npuq.runtime.runner import forward_logits
 
@@ -207,3 +207,29 @@ def test_asymmetric_walk_gives_each_group_its_float_input_shift(gram_rows, monke
             _rtn_(ref_modules[n])
     # The first group reads the embedding, which nothing rounds: no shift; every later group's has one.
     assert shifts[0] == 0.0 and min(shifts[1:]) > 1e-4, shifts
+
+
+def test_down_projections_take_their_own_damping():
+    # GptqOptions.damp_down for the MLP down projections, damp for every other layer: each layer's
+    # codes are gptq_codes' on the same (float) Gram at the damping of its kind, and the down
+    # projections' differ from what the other damping gives them (so the choice is seen).
+    _, model = tiny_decoder("llama", seed=4)
+    _, reference = tiny_decoder("llama", seed=4)
+    names = _linears(model)
+    windows = _windows(model.config.vocab_size)
+    grams = {n: gram for group, gram, _ in sequential_groups(reference, windows, names, "float") for n in group}
+    options = GptqOptions(act_order=False, damp=0.1, damp_down=1.0)
+    results, _ = optimize_weights(model, windows, {n: WeightSpec(bits=4) for n in names},
+                                  RecoveryOptions(weight_rounding="gptq", layer_inputs="float", gptq=options),
+                                  progress=False)
+    downs = [n for n in names if n.endswith("mlp.down_proj")]
+    assert downs and len(downs) < len(names)
+    ref_modules = dict(reference.named_modules())
+    changed = 0
+    for name in names:
+        w = ref_modules[name].weight.detach().float()
+        scale = minmax_scale(w, 4)
+        damp, other = (1.0, 0.1) if name in downs else (0.1, 1.0)
+        assert torch.equal(results[name].codes, gptq_codes(w, grams[name], scale, 4, damp=damp)), name
+        changed += name in downs and not torch.equal(results[name].codes, gptq_codes(w, grams[name], scale, 4, damp=other))
+    assert changed == len(downs)

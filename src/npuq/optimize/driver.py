@@ -361,13 +361,13 @@ class WeightOptimizer:
             names, gram, shift = step
             group = _Group(gram, shift, self.rank)
             for name in names:
-                results[name] = self._layer(modules[name], specs[name], group)
+                results[name] = self._layer(name, modules[name], specs[name], group)
                 bar.update(1)
         bar.close()
         self.results.update(results)
         return results
 
-    def _layer(self, module: nn.Module, spec: WeightSpec, group: _Group) -> OptimizedWeight:
+    def _layer(self, name: str, module: nn.Module, spec: WeightSpec, group: _Group) -> OptimizedWeight:
         seq_mse, granularity, rank = self.options.seq_mse, self.options.seq_mse_granularity, self.rank
         gram = group.gram
         weight = module.weight.detach().float()
@@ -390,7 +390,7 @@ class WeightOptimizer:
             loss_minmax = float("nan")
         t1 = time.perf_counter()
         if self.options.gptq is not None:
-            codes = self.options.gptq.codes(weight, gram, scale, spec.bits)
+            codes = self.options.gptq.codes(name, weight, gram, scale, spec.bits)
         else:
             codes = quantize_codes(weight, scale, spec.bits).to(torch.int8)
         t2 = time.perf_counter()

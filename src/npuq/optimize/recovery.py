@@ -32,6 +32,7 @@ class RoundingSummary:
     act_order: bool | None  # GPTQ's column order; None: nearest rounding
     # GPTQ's damping (GptqOptions.damp); None (no key): nearest rounding, or an artifact older than the field
     damp: float | None = optional_key()
+    damp_down: float | None = optional_key()  # the MLP down projections' (GptqOptions.damp_down); the same None
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,13 @@ class PartRecovery:
         """What was done over the parts so far."""
         results, timings, o = self.optimizer.results, self.optimizer.timings, self.options
         gptq = o.gptq
-        act_order, damp = (gptq.act_order, gptq.damp) if gptq is not None else (None, None)
+        act_order, damp, damp_down = (gptq.act_order, gptq.damp, gptq.damp_down) if gptq else (None, None, None)
         before = sum(r.loss_minmax for r in results.values())
         after = sum(r.loss for r in results.values())
         return RecoverySummary(
             seq_mse=SeqMseSummary(o.seq_mse, o.seq_mse_granularity if o.seq_mse else None, timings["seq_mse_seconds"]),
-            weight_rounding=RoundingSummary(o.weight_rounding, timings["rounding_seconds"], act_order, damp),
+            weight_rounding=RoundingSummary(o.weight_rounding, timings["rounding_seconds"], act_order, damp,
+                                            damp_down),
             gram_seconds=timings["collect_seconds"],
             layer_inputs=o.layer_inputs,
             layers=len(results),

@@ -63,6 +63,7 @@ class QuantizeOptions:
     layer_inputs: str | None = None  # None: "quantized" when recovery is on (RecoveryOptions)
     act_order: bool | None = None  # None: on with GPTQ
     gptq_damp: float | None = optional_key()  # GPTQ's damping; None: GptqOptions' with GPTQ (no key without GPTQ)
+    gptq_damp_down: float | None = optional_key()  # the same for the MLP down projections
     rotate: str | None = None  # ROTATE_CHOICES; None: the recipe's (built-in 4-bit recipes: r1). Read only
     # by load_recipe, which settles the rotation into the recipe (Recipe.rotation): nothing reads both
     parts: int | None = optional_key()  # quantize in this many parts, streamed; None: auto_parts
@@ -99,16 +100,19 @@ class QuantizeOptions:
         if self.act_order and self.weight_rounding != "gptq":
             raise NpuqError("--act-order orders GPTQ's rounding and does nothing with nearest rounding: "
                             "add --weight-rounding gptq, or drop --act-order")
-        if self.gptq_damp is not None and not 0 < self.gptq_damp < float("inf"):
-            raise NpuqError(f"--gptq-damp {self.gptq_damp:g} must be a positive number (a fraction of the mean "
-                            "input energy added to the Gram matrix's diagonal; 0.01 to 1 are usual)")
-        if self.gptq_damp is not None and self.weight_rounding != "gptq":
-            raise NpuqError("--gptq-damp damps GPTQ's Hessian and does nothing with nearest rounding: "
-                            "add --weight-rounding gptq, or drop --gptq-damp")
+        for flag, damp in (("--gptq-damp", self.gptq_damp), ("--gptq-damp-down", self.gptq_damp_down)):
+            if damp is not None and not 0 < damp < float("inf"):
+                raise NpuqError(f"{flag} {damp:g} must be a positive number (a fraction of the mean input energy "
+                                "added to the Gram matrix's diagonal; 0.01 to 3 are usual)")
+            if damp is not None and self.weight_rounding != "gptq":
+                raise NpuqError(f"{flag} damps GPTQ's Hessian and does nothing with nearest rounding: "
+                                f"add --weight-rounding gptq, or drop {flag}")
         if self.weight_rounding == "gptq":  # GPTQ's own defaults for what was not given
             default = GptqOptions()
             object.__setattr__(self, "act_order", default.act_order if self.act_order is None else self.act_order)
             object.__setattr__(self, "gptq_damp", default.damp if self.gptq_damp is None else self.gptq_damp)
+            object.__setattr__(self, "gptq_damp_down",
+                               default.damp_down if self.gptq_damp_down is None else self.gptq_damp_down)
         recovery = RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs,
                                    self._gptq)  # its checks, and its defaults filled in
         # the resolved choices, so two records that quantize alike are equal; none without SeqMSE or GPTQ
@@ -118,7 +122,9 @@ class QuantizeOptions:
 
     @property
     def _gptq(self) -> GptqOptions | None:
-        return GptqOptions(act_order=self.act_order, damp=self.gptq_damp) if self.weight_rounding == "gptq" else None
+        if self.weight_rounding != "gptq":
+            return None
+        return GptqOptions(act_order=self.act_order, damp=self.gptq_damp, damp_down=self.gptq_damp_down)
 
     @property
     def recovery(self) -> RecoveryOptions | None:
