@@ -215,12 +215,14 @@ def main() -> None:
         write_result()  # after every row: a long run interrupted keeps what it measured
 
     rows: list[dict] = []
+    # GPTQ's dampings for every row that rounds with GPTQ: the flags given, npuq's defaults for the rest
+    gptq_damps = GptqOptions(**{k: v for k, v in (("damp", args.gptq_damp), ("damp_down", args.gptq_damp_down))
+                                if v is not None})
 
     def write_result() -> None:
         result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
                   "calib_offset": args.calib_offset,
-                  "gptq_damp": args.gptq_damp if args.gptq_damp is not None else GptqOptions().damp,
-                  "gptq_damp_down": args.gptq_damp_down if args.gptq_damp_down is not None else GptqOptions().damp_down,
+                  "gptq_damp": gptq_damps.damp, "gptq_damp_down": gptq_damps.damp_down,
                   "eval_tokens": args.eval_tokens, "kl_divergence": args.kl_divergence, "calibration": calib_specs,
                   "domains": DOMAINS,
                   "python": platform.python_version(), "threads": torch.get_num_threads(), "rows": rows}
@@ -259,9 +261,8 @@ def main() -> None:
         recipe = load_recipe(spec["recipe"]).with_rotation(spec["rotate"])  # the rotation this row folds in itself
         start = time.perf_counter()
         scales = None
-        damp = {k: v for k, v in (("damp", args.gptq_damp), ("damp_down", args.gptq_damp_down)) if v is not None}
         if spec["seq_mse"] is not None or spec["rounding"] != "nearest":
-            gptq = GptqOptions(act_order=bool(spec["act_order"]), **damp) if spec["rounding"] == "gptq" else None
+            gptq = dataclasses.replace(gptq_damps, act_order=bool(spec["act_order"])) if spec["rounding"] == "gptq" else None
             recovery = RecoveryOptions(spec["seq_mse"], spec["granularity"] or "channel", spec["rounding"],
                                        spec["layer_inputs"], gptq)
             scales, summary = optimize_for_recipe(

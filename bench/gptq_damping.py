@@ -1,7 +1,8 @@
 """How GPTQ's rounding holds on text it was not fitted to, layer by layer, at each damping.
 
 For a few blocks of a model (R1 folded in, as npuq's 4-bit recipes do), the input Gram matrix
-H = XᵀX of the q, o, up and down projections is collected on the float model over three texts:
+H = XᵀX of the q, o, up and down projections is collected on the float model over three texts
+(the recovery's own walk, npuq.optimize.driver.sequential_groups with float inputs):
 the builtin calib split (what ``npuq quantize`` calibrates on by default), and the eval splits
 of ``prose`` and ``code``. Each layer's weight is put on its LPBQ grid (16a4w_block: 4-bit codes,
 blocks of 64, min/max scales by the backend's rule) with nearest rounding and with GPTQ fitted to
@@ -27,39 +28,15 @@ import torch
 from npuq.data.corpora import corpus_tokens
 from npuq.fsio import write_json
 from npuq.models import load_model, load_tokenizer
+from npuq.optimize.driver import sequential_groups
 from npuq.optimize.gptq import gptq_codes
 from npuq.optimize.rotate import rotate_model
-from npuq.optimize.seqmse import lpbq_scale, quantize_codes
+from npuq.optimize.seqmse import dequantize, fake_quantize, lpbq_scale
 from npuq.quantize.stage import ROTATION_SEED
-from npuq.runtime.runner import step_inputs
 
 KINDS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")
 TEXTS = {"calib": ("builtin", "calib"), "prose": ("prose", "eval"), "code": ("code", "eval")}
 BLOCK = 64  # 16a4w_block's
-
-
-def grams(model, names: list[str], tokens: torch.Tensor, context: int) -> dict[str, torch.Tensor]:
-    """XᵀX (float64) of each named layer's input over ``tokens`` in windows of ``context``."""
-    modules = dict(model.named_modules())
-    sums: dict[str, torch.Tensor] = {}
-
-    def hook(name):
-        def add(_module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
-            product = (x.T @ x).double()
-            sums[name] = product if name not in sums else sums[name].add_(product)
-        return add
-
-    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in names]
-    try:
-        with torch.no_grad():
-            for window in tokens.view(-1, context):
-                t, mask, positions = step_inputs(model.config, window[None], 0, context)
-                model(t, mask, positions)
-    finally:
-        for h in handles:
-            h.remove()
-    return sums
 
 
 def relative_error(weight: torch.Tensor, quantized: torch.Tensor, gram: torch.Tensor) -> float:
@@ -85,25 +62,23 @@ def main() -> None:
     layers = [int(i) for i in args.layers.split(",")]
     damps = [float(d) for d in args.damps.split(",")]
     names = [f"layers.{i}.{kind}" for kind in KINDS for i in layers]
-    texts = {}
+    texts = {}  # text → layer → XᵀX of its input: the float model's walk, as the recovery sums it
     for key, (corpus, split) in TEXTS.items():
         ids = corpus_tokens(tokenizer, corpus, args.tokens, split)
         n = len(ids) // args.context * args.context
-        texts[key] = grams(model, names, torch.as_tensor(ids[:n]), args.context)
+        windows = list(torch.as_tensor(ids[:n]).view(-1, 1, args.context))
+        texts[key] = {layer: gram.double() for group, gram, _ in sequential_groups(model, windows, names, "float")
+                      for layer in group}
         print(f"{key}: {n} tokens", flush=True)
     modules = dict(model.named_modules())
     rows = {}
     for name in names:
         weight = modules[name].weight.detach().float()
         scale = lpbq_scale(weight, 4, BLOCK)
-
-        def dequantized(codes):
-            return (codes.float().view(weight.shape[0], scale.shape[1], -1) * scale.unsqueeze(-1)).view_as(weight)
-
-        methods = {"nearest": dequantized(quantize_codes(weight, scale, 4))}
+        methods = {"nearest": fake_quantize(weight, scale, 4)}
         for damp in damps:
-            methods[f"gptq {damp:g}"] = dequantized(gptq_codes(weight, texts["calib"][name].float(), scale, 4,
-                                                               damp=damp, act_order=True))
+            methods[f"gptq {damp:g}"] = dequantize(gptq_codes(weight, texts["calib"][name].float(), scale, 4,
+                                                              damp=damp, act_order=True), scale)
         w = weight.double()
         rows[name] = {m: {t: relative_error(w, q.double(), texts[t][name]) for t in TEXTS} for m, q in methods.items()}
         print(name, json.dumps({m: [round(v, 5) for v in e.values()] for m, e in rows[name].items()}), flush=True)

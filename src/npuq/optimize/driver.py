@@ -50,6 +50,8 @@ from npuq.optimize.gptq import GptqOptions, damped
 from npuq.optimize.seqmse import (
     GRANULARITIES,
     GramFactor,
+    dequantize,
+    fake_quantize,
     lpbq_scale,
     minmax_scale,
     quantize_codes,
@@ -396,11 +398,11 @@ class WeightOptimizer:
         t2 = time.perf_counter()
         self.timings["seq_mse_seconds"] += t1 - t0
         self.timings["rounding_seconds"] += t2 - t1
-        dequant = _dequantize(codes, scale)
+        dequant = dequantize(codes, scale)
         err = weight - dequant
         loss = torch.einsum("oi,ij,oj->", err, gram, err).item()
         if not seq_mse:
-            nearest = weight - _dequantize(quantize_codes(weight, scale, spec.bits), scale)
+            nearest = weight - fake_quantize(weight, scale, spec.bits)
             loss_minmax = torch.einsum("oi,ij,oj->", nearest, gram, nearest).item()
         # The parameter takes new memory rather than being written in place: a part streamed
         # from a float32 file holds tensors mapped from the file (npuq.models.stream).
@@ -450,8 +452,3 @@ def _shifted(weight: torch.Tensor, shift: torch.Tensor, chol: torch.Tensor) -> t
     return (W + correction).float()
 
 
-def _dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    if scale.dim() == 2:
-        O, I = codes.shape
-        return (codes.float().view(O, scale.shape[1], -1) * scale.unsqueeze(-1)).view(O, I)
-    return codes.float() * scale.unsqueeze(1)

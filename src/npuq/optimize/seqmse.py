@@ -61,11 +61,15 @@ def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, bits: int) -> torc
     return torch.clamp(torch.round(w / s), -q, q).view_as(weight)
 
 
+def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Float32 weights (O, I) of integer ``codes`` (O, I) on ``scale`` (O,) or (O, blocks)."""
+    c = codes.float()
+    c = c.view(c.shape[0], scale.shape[1], -1) if scale.dim() == 2 else c
+    return (c * scale.unsqueeze(-1)).view_as(codes)
+
+
 def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    blocked = scale.dim() == 2
-    codes = quantize_codes(weight, scale, bits)
-    c = codes.view(weight.shape[0], scale.shape[1], -1) if blocked else codes
-    return (c * scale.unsqueeze(-1)).view_as(weight)
+    return dequantize(quantize_codes(weight, scale, bits), scale)
 
 
 def top_eigen(gram: torch.Tensor, rank: int, oversample: int = 16, iterations: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
