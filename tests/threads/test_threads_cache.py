@@ -6,7 +6,7 @@ import pytest
 
 from npuq.errors import NpuqError
 from npuq.threads import ThreadPlan, TuneSettings, Workload, plan_threads, tune_cached
-from npuq.threads import cache
+from npuq.threads import cache, contention
 
 FAST = TuneSettings(warmup=1, repeats=1, min_sample_seconds=0.0)
 
@@ -22,6 +22,9 @@ class Counting:
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("NPUQ_CACHE_DIR", str(tmp_path / "cache"))
+    # No contention verdict: on a busy machine these tunings would rightly go uncached
+    # (test_threads_contention.py tests that).
+    monkeypatch.setattr(contention, "snapshot", lambda: None)
     return tmp_path / "cache"
 
 
@@ -66,12 +69,14 @@ def test_key_includes_host_and_torch(monkeypatch):
     assert key.filename() != other.filename()
 
 
-@pytest.mark.parametrize("content", ["{not json", "", "[]", '{"schema": 1, "key": KEY}', '{"schema": 1, "key": KEY, "result": {"best": 2}}'])
+@pytest.mark.parametrize("content", ["{not json", "", "[]", '{"schema": SCHEMA, "key": KEY}',
+                                     '{"schema": SCHEMA, "key": KEY, "result": {"best": 2}}'])
 def test_a_corrupt_file_warns_and_is_retuned(cache_dir, content):
     run = Counting()
     _tune(run)
     (path,) = (cache_dir / "threads").glob("*.json")
-    path.write_text(content.replace("KEY", json.dumps(json.loads(path.read_text())["key"])))
+    key = json.dumps(json.loads(path.read_text())["key"])
+    path.write_text(content.replace("KEY", key).replace("SCHEMA", str(cache.SCHEMA)))
     with pytest.warns(UserWarning, match="corrupt thread-tuning cache"):
         result = _tune(run)
     assert not result.cached

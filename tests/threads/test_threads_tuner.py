@@ -233,3 +233,39 @@ def test_round_two_spends_what_the_budget_leaves():
     host = FakeHost(cost)
     tune(host.run, 2, default_threads=2, settings=s, clock=host.clock)
     assert host.calls_at(2) == 2 + 3 and host.calls_at(1) == 2 + 2
+
+
+class ContendedHost(FakeHost):
+    """A FakeHost whose one thread also waits for a CPU ``wait[n]`` seconds per second it runs
+    at n threads, as /proc/self/task/*/schedstat would report it."""
+
+    def __init__(self, cost, wait):
+        super().__init__(cost)
+        self.wait, self.run_ns, self.wait_ns = wait, 0, 0
+
+    def run(self) -> None:
+        super().run()
+        n = self.calls[-1]
+        self.run_ns += int(self.cost[n] * 1e9)
+        self.wait_ns += int(self.cost[n] * self.wait.get(n, 0.0) * 1e9)
+
+    def sched(self):
+        return {7: (self.run_ns, self.wait_ns)}
+
+
+def test_contention_is_the_largest_share_of_waiting_of_any_count():
+    # 2 threads waited 3 s per second run (a share of 0.75), 1 thread 0.1 (0.09): the result
+    # says 0.75 whichever count won.
+    host = ContendedHost({1: 1.0, 2: 4.0}, wait={1: 0.1, 2: 3.0})
+    r = tune(host.run, 2, default_threads=2, settings=PLAIN, clock=host.clock, sched=host.sched)
+    assert r.best == 1 and r.contention == pytest.approx(0.75)
+    assert TuneResult.from_dict(r.to_dict()).contention == pytest.approx(0.75)
+    quiet = ContendedHost({1: 1.0, 2: 0.6}, wait={})
+    assert tune(quiet.run, 2, settings=PLAIN, clock=quiet.clock, sched=quiet.sched).contention == 0.0
+
+
+def test_without_schedstat_or_enough_cpu_time_there_is_no_verdict():
+    host = FakeHost({1: 1.0, 2: 0.6})
+    assert tune(host.run, 2, settings=PLAIN, clock=host.clock, sched=lambda: None).contention is None
+    short = ContendedHost({1: 1e-3, 2: 1e-3}, wait={1: 1.0, 2: 1.0})  # 5 ms per count: below MIN_NS
+    assert tune(short.run, 2, settings=PLAIN, clock=short.clock, sched=short.sched).contention is None

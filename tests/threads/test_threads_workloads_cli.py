@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from npuq.errors import NpuqError
+from npuq.threads import contention
 from npuq.runtime.workloads import PHASES, phase_workload
 
 
@@ -50,6 +51,9 @@ def test_cli_tunes_caches_and_plots(tiny, monkeypatch, tmp_path, capsys):
     from npuq.cli import main
 
     monkeypatch.setattr(npuq.models, "load_model", lambda spec, max_context=None: SimpleNamespace(model=tiny))
+    # No contention verdict: whether another process shares the CPUs must not decide what is cached
+    # here (test_threads_contention.py tests that).
+    monkeypatch.setattr(contention, "snapshot", lambda: None)
     before = torch.get_num_threads()
     out, png = tmp_path / "tune.json", tmp_path / "tune.png"
     argv = ["tune-threads", "--model", "tiny", "--phase", "decode", "--phase", "prefill", "--context", "32",

@@ -22,7 +22,9 @@ from npuq.fsio import user_cache_dir, write_json
 from npuq.threads.limits import cpu_model
 from npuq.threads.tuner import TuneResult
 
-SCHEMA = 1  # bump when TuneResult's stored form changes; older files then miss
+# bump when TuneResult's stored form changes; older files then miss (2: "contention", and the
+# results of schema 1 may have been timed beside another job, docs/design.md §4)
+SCHEMA = 2
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ from npuq.threads.limits import cpu_ceiling
 from npuq.threads.scope import thread_scope
 from npuq.threads.tuner import BUDGETED, TuneResult, TuneSettings, Workload, tune
 
+# A tuning whose threads waited for a CPU more than this share of their runnable time measured
+# another process as much as the workload (on a quiet machine the share is a few percent).
+CONTENDED = 0.2
 # measured now, read from the cache, given by the user, torch's count kept (work off the CPU: no tuning)
 SOURCES = ("auto", "cache", "user", "kept")
 
@@ -106,7 +109,9 @@ def tune_cached(
     """The cached result for ``workload`` on this host, or a fresh tuning stored for next time.
 
     ``retune`` ignores the cache (and replaces its entry). A cache that cannot be written only
-    costs a warning: the result is still returned.
+    costs a warning: the result is still returned. Nor is a result stored whose counts waited
+    for a CPU more than ``CONTENDED`` of their time (another process was running): it serves
+    this run, with a warning, and the next run tunes again.
     """
     ceiling = cpu_ceiling() if ceiling is None else ceiling
     key = cache.CacheKey.here(workload.signature, ceiling)
@@ -116,6 +121,13 @@ def tune_cached(
             return hit
     result = tune(workload.run, ceiling, phase=phase, settings=settings, signature=workload.signature,
                   on_candidate=on_candidate)
+    if result.contention is not None and result.contention > CONTENDED:
+        warnings.warn(
+            f"while timing the {phase} phase npuq's threads waited for a CPU {result.contention:.0%} of "
+            f"the time (another process is using these CPUs): {result.best} threads serve this run, and "
+            "the result is not cached, so the next run measures again (npuq tune-threads --retune on "
+            "a quiet machine)", stacklevel=2)
+        return result
     try:
         cache.store(key, result, cache_root)
     except OSError as exc:

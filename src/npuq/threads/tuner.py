@@ -19,12 +19,14 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
+from npuq.threads import contention
 from npuq.threads.scope import thread_scope
 
 # Fractions of the ceiling tried, as published (executorch PR #18184).
 FRACTIONS = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 2 / 3, 3 / 4, 1)
 
 Clock = Callable[[], float]  # seconds, monotonic
+Sched = Callable[[], "contention.Snapshot | None"]  # per-thread run and run-queue wait times
 Scope = Callable[[int], ContextManager[Any]]
 
 
@@ -119,6 +121,9 @@ class TuneResult:
     errors: dict[int, str] = field(default_factory=dict)
     signature: str = ""
     cached: bool = False
+    # The largest share of its runnable time that any count's calls spent waiting for a CPU held
+    # by another process (npuq.threads.contention); None where the kernel does not say.
+    contention: float | None = None
 
     @property
     def best_seconds(self) -> float | None:
@@ -146,6 +151,7 @@ class TuneResult:
             "stopped_early": list(self.stopped),
             "errors": {str(n): msg for n, msg in self.errors.items()},
             "signature": self.signature,
+            "contention": self.contention,
         }
 
     @classmethod
@@ -163,6 +169,7 @@ class TuneResult:
             tuning_seconds=float(d["tuning_seconds"]), stopped=tuple(int(n) for n in d["stopped_early"]),
             errors={int(n): str(m) for n, m in d["errors"].items()}, signature=str(d["signature"]),
             cached=bool(d["cached"]),
+            contention=None if d["contention"] is None else float(d["contention"]),
         )
 
 
@@ -187,15 +194,20 @@ def measure_order(candidates: Sequence[int], default: int) -> list[int]:
 
 
 class _Timer:
-    def __init__(self, run: Callable[[], object], clock: Clock):
-        self.run, self.clock = run, clock
+    def __init__(self, run: Callable[[], object], clock: Clock, sched: Sched):
+        self.run, self.clock, self.sched = run, clock, sched
 
-    def calls(self, k: int) -> float:
-        """Seconds per call, averaged over ``k`` back-to-back calls."""
+    def calls(self, k: int, trial: "_Trial") -> float:
+        """Seconds per call, averaged over ``k`` back-to-back calls; the threads' run and
+        run-queue wait times go to ``trial``."""
+        before = self.sched()
         start = self.clock()
         for _ in range(k):
             self.run()
-        return (self.clock() - start) / k
+        seconds = (self.clock() - start) / k
+        run, wait = contention.waited(before, self.sched())
+        trial.run_ns, trial.wait_ns = trial.run_ns + run, trial.wait_ns + wait
+        return seconds
 
 
 @dataclass
@@ -208,6 +220,8 @@ class _Trial:
     samples: list[float] = field(default_factory=list)
     stopped: bool = False
     error: str | None = None
+    run_ns: int = 0  # the process's threads on a CPU during this count's calls
+    wait_ns: int = 0  # ... and runnable but waiting for one
 
     @property
     def first(self) -> float:
@@ -222,7 +236,7 @@ class _Trial:
 
 
 def _first_round(timer: _Timer, trial: _Trial, s: TuneSettings, best_first: float | None) -> None:
-    warm = [timer.calls(1) for _ in range(s.warmup)]
+    warm = [timer.calls(1, trial) for _ in range(s.warmup)]
     if warm:
         trial.warmup_seconds = min(warm)
         if trial.warmup_seconds > 0:
@@ -230,7 +244,7 @@ def _first_round(timer: _Timer, trial: _Trial, s: TuneSettings, best_first: floa
             trial.calls_per_sample = min(s.max_calls_per_sample, max(1, want))
         if best_first is not None and trial.warmup_seconds > s.warmup_stop_ratio * best_first:
             return
-    trial.samples.append(timer.calls(trial.calls_per_sample))
+    trial.samples.append(timer.calls(trial.calls_per_sample, trial))
 
 
 def _second_round(timer: _Timer, trial: _Trial, s: TuneSettings, fits: Callable[[float], bool]) -> None:
@@ -238,9 +252,9 @@ def _second_round(timer: _Timer, trial: _Trial, s: TuneSettings, fits: Callable[
     for _ in range(s.warmup):
         if not fits(trial.first):
             return
-        timer.calls(1)
+        timer.calls(1, trial)
     while len(trial.samples) < s.repeats and fits(trial.first * trial.calls_per_sample):
-        trial.samples.append(timer.calls(trial.calls_per_sample))
+        trial.samples.append(timer.calls(trial.calls_per_sample, trial))
 
 
 def _guarded(scope: Scope, trial: _Trial, step: Callable[[], None]) -> None:
@@ -263,6 +277,7 @@ def tune(
     clock: Clock = time.perf_counter,
     scope: Scope = thread_scope,
     signature: str = "",
+    sched: Sched | None = None,
     on_candidate: Callable[[int, float | None], None] | None = None,
 ) -> TuneResult:
     """Time ``run`` at every candidate count for ``ceiling`` and choose one (see TuneSettings).
@@ -272,14 +287,16 @@ def tune(
     whose run raises is skipped; if all do, the ceiling is chosen. ``default_threads`` (the
     count that would run without tuning, torch's current one when None) is timed first; when
     it is not a candidate it is timed as a reference for ``speedup_vs_default`` only.
-    ``on_candidate(n, seconds)`` is called for each count once timing is done.
+    ``on_candidate(n, seconds)`` is called for each count once timing is done. ``sched`` reads
+    the threads' run-queue times, from which the result's ``contention`` comes (by default
+    :func:`npuq.threads.contention.snapshot`).
     """
     default = torch.get_num_threads() if default_threads is None else default_threads
     candidates = candidate_counts(ceiling)
     order = measure_order(candidates, default)
     if default not in candidates:
         order = [default] + order
-    timer = _Timer(run, clock)
+    timer = _Timer(run, clock, contention.snapshot if sched is None else sched)
     trials = {n: _Trial(n) for n in order}
     start = clock()
 
@@ -307,10 +324,12 @@ def tune(
     seconds = tuple(trials[n].seconds for n in candidates)
     stopped = tuple(n for n in candidates if trials[n].stopped)
     ref = trials[default]
+    shares = [contention.waited_share(t.run_ns, t.wait_ns) for t in trials.values()]
     return TuneResult(
         phase=phase, ceiling=ceiling, candidates=tuple(candidates), seconds=seconds,
         best=choose(candidates, seconds, stopped, ceiling, settings.tie_tolerance),
         default_threads=default, default_seconds=ref.seconds,
         tuning_seconds=clock() - start, stopped=stopped,
         errors={n: trials[n].error for n in candidates if trials[n].error}, signature=signature,
+        contention=max((x for x in shares if x is not None), default=None),
     )
