@@ -25,7 +25,7 @@ from npuq.records import from_json, record_key, to_json
 # A second valid value for every field of every options record (a field missing here fails).
 OTHER = {
     QuantizeOptions: {"model": "tiny", "scheme": "16a4w", "recipe": "16a4w_mixed", "calib_corpus": "file:x.txt",
-                      "calib_tokens": 8192, "calib_offset": 4096, "context": 256, "calibration_mode": "sequential", "prefill_len": 16,
+                      "calib_tokens": 8192, "calib_offset": 4096, "calib_sampling": "spread", "context": 256, "calibration_mode": "sequential", "prefill_len": 16,
                       "batch_size": 2, "seq_mse": 50, "seq_mse_granularity": "layer", "weight_rounding": "gptq",
                       "layer_inputs": "float", "act_order": False, "gptq_damp": 0.5, "gptq_damp_down": 3.0, "rotate": "r1",
                       "bits_per_weight": 6.5, "parts": 2},
@@ -88,6 +88,9 @@ def test_defaults_that_depend_on_other_fields_are_filled_in():
     assert (QuantizeOptions().layer_inputs, QuantizeOptions().act_order, QuantizeOptions().gptq_damp) == (None, None, None)
     assert not {"gptq_damp", "gptq_damp_down"} & set(to_json(QuantizeOptions()))  # runs without GPTQ keep their keys
     assert QuantizeOptions(calib_offset=0) == QuantizeOptions() and "calib_offset" not in to_json(QuantizeOptions())
+    assert QuantizeOptions(calib_sampling="contiguous") == QuantizeOptions()
+    assert "calib_sampling" not in to_json(QuantizeOptions())
+    assert to_json(QuantizeOptions(calib_sampling="spread"))["calib_sampling"] == "spread"
     assert ExportOptions(htp_arch="v73").htp_arch == 73 and ExportOptions(soc="sm8650").soc == "SM8650"
 
 
@@ -113,6 +116,7 @@ def test_reading_refuses_what_does_not_fit(data, message):
     (lambda: QuantizeOptions(weight_rounding="gptq", gptq_damp_down=-2.0), "--gptq-damp-down -2 must be a positive"),
     (lambda: QuantizeOptions(calibration_mode="fast"), "unknown --calibration-mode"),
     (lambda: QuantizeOptions(calib_offset=-1), "--calib-offset -1 must be 0 or more"),
+    (lambda: QuantizeOptions(calib_sampling="random"), "unknown --calib-sampling 'random'"),
     (lambda: ExportOptions(htp_arch=73, soc="SM8650"), "either --htp-arch or --soc"),
     (lambda: ExportOptions(qnn_version="two"), "two"),
     (lambda: ExportOptions(embedding_pattern="new"), "unknown embedding pattern"),

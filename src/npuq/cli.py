@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable
 
 from npuq.data import load_corpus
-from npuq.data.corpora import CALIB_CORPUS
+from npuq.data.corpora import CALIB_CORPUS, CALIB_SAMPLINGS
 from npuq.errors import NpuqError
 from npuq.fsio import write_json
 from npuq.quant.recipe import RECIPES, ROTATE_CHOICES
@@ -191,6 +191,11 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-offset", type=_nonneg_int, default=None, metavar="N",
                    help="skip the first N tokens of the calib split (of each corpus of a mix): another draw of "
                         "the same text, to see how much a score owes to the sample (default 0)")
+    p.add_argument("--calib-sampling", choices=CALIB_SAMPLINGS, default=None,
+                   help="contiguous: the calibration text is one stretch of the calib split from --calib-offset; "
+                        "spread: windows of --context tokens from evenly spaced points of the whole split, the "
+                        "first at --calib-offset, so a few thousand tokens sample many documents rather than the "
+                        "first few (default contiguous)")
     p.add_argument("--context", type=_context, default=512, metavar="L",
                    help="context length of the programs and of the calibration (and evaluation) windows (default 512)")
     p.add_argument("--prefill-len", type=_pos_int, default=None, metavar="N",

@@ -135,3 +135,32 @@ def test_a_mix_alternates_its_parts_and_takes_an_equal_share_of_tokens(tmp_path)
         load_corpus("builtin+builtin")
     with pytest.raises(NpuqError, match="unknown corpus 'builtin\\+nope'; use builtin, file:PATH"):
         load_corpus("builtin+nope")  # '+' splits only before another corpus name
+
+
+def test_spread_sampling_takes_windows_from_evenly_spaced_points():
+    """spread=W: runs of W tokens starting at offset + i·T/runs (T the whole text's tokens),
+    wrapping round at the end, the last run shorter; computed here by hand on a text whose
+    tokens are their own positions."""
+    from npuq.data.corpora import corpus_tokens
+    from npuq.data.document import Document
+
+    class Counter:  # document k of n words → its words' numbers; BOS is -1
+        bos_token_id = -1
+
+        def encode(self, text, add_special_tokens=False):
+            return [int(w) for w in text.split()]
+
+    docs = [Document(f"d{k}", " ".join(str(100 * k + j) for j in range(24))) for k in range(4)]  # 4 × 25 = 100 tokens
+    flat = [t for d in docs for t in [-1] + Counter().encode(d.target)]
+    # 25 tokens in runs of 10: 3 runs at 0, 33, 66 (100·i/3 rounded down), of 10, 10 and 5.
+    assert corpus_tokens(Counter(), docs, 25, spread=10) == flat[0:10] + flat[33:43] + flat[66:71]
+    # From offset 40: runs at 40, 73 and 106 − 100 = 6; the second wraps past the end.
+    assert corpus_tokens(Counter(), docs, 25, offset=40, spread=10) == flat[40:50] + flat[73:83] + flat[6:11]
+    assert corpus_tokens(Counter(), docs, 30, offset=90, spread=10) == flat[90:100] + flat[23:33] + flat[56:66]
+    # Every document is sampled where a contiguous draw of the same size sees the first one only.
+    first_tokens = {t // 100 for t in corpus_tokens(Counter(), docs, 20, spread=5) if t >= 0}
+    assert first_tokens == {0, 1, 2, 3}
+    assert {t // 100 for t in corpus_tokens(Counter(), docs, 20) if t >= 0} == {0}
+    # A text no longer than the request is taken whole; an offset past its end gives nothing.
+    assert corpus_tokens(Counter(), docs, 100, spread=10) == flat
+    assert corpus_tokens(Counter(), docs, 10, offset=100, spread=5) == []

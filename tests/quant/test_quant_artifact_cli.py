@@ -143,6 +143,22 @@ def test_cli_quantize_calib_offset(tmp_path, hf_folder, capsys):
     assert not (tmp_path / "past").exists()
 
 
+def test_cli_quantize_calib_sampling(tmp_path, hf_folder):
+    """--calib-sampling spread calibrates on windows from across the calib split: config.json
+    records it, and the activation encodings differ from a contiguous draw of as many tokens."""
+    folder, text = hf_folder
+    base = ["quantize", "--model", str(folder), "--calib-corpus", f"file:{text}", "--calib-tokens", "40",
+            "--context", str(CONTEXT), "--num-threads", "1"]
+    encodings = {}
+    for sampling in ("contiguous", "spread"):
+        out = tmp_path / sampling
+        assert main([*base, "--calib-sampling", sampling, "--out", str(out)]) == 0
+        config = json.loads((out / "config.json").read_text())
+        assert (config["calibration"]["sampling"], config["calibration"]["tokens"]) == (sampling, 40)
+        encodings[sampling] = json.loads((out / "encodings.json").read_text())["activation_encodings"]
+    assert encodings["contiguous"] != encodings["spread"]
+
+
 def test_cli_quantize_rotate(tmp_path, hf_folder, monkeypatch):
     """--rotate r1+r2: the artifact holds the float weights rotated as npuq.optimize.rotate
     rotates them (seed 0, the stage's fixed seed): every linear weight lies within one step of

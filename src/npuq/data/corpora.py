@@ -45,6 +45,8 @@ SPLITS = ("eval", "calib")
 # The calibration text of `npuq quantize` and `npuq run` when --calib-corpus is not given; chosen by
 # measuring on three domains (docs/design.md §12: no mix was clearly better, and builtin is offline).
 CALIB_CORPUS = "builtin"
+# How the calibration tokens are drawn from the calib split (corpus_tokens); the first is the default.
+CALIB_SAMPLINGS = ("contiguous", "spread")
 CORPUS_HELP = ("builtin, file:PATH (.txt or .jsonl with a 'text' field per line), wikitext2, prose (English prose, "
                "downloaded on first use), code (Python standard library source), or a mix of them joined by '+' "
                "(e.g. builtin+prose+code)")
@@ -78,27 +80,44 @@ def load_corpus(spec: str, split: str = "eval") -> list[Document]:
     return docs
 
 
-def corpus_tokens(tokenizer: Any, corpus: Any, n_tokens: int, split: str = "calib", offset: int = 0) -> list[int]:
-    """Tokens ``offset`` … ``offset + n_tokens`` - 1 of the corpus's ``split`` (``corpus``: a spec,
-    or documents already loaded): each document prefixed with BOS (else EOS), documents
-    concatenated in id order. A mix takes ``n_tokens / parts`` tokens of each part, each from its
-    own ``offset``, parts in the order given. Fewer where the text ends first."""
+def corpus_tokens(tokenizer: Any, corpus: Any, n_tokens: int, split: str = "calib", offset: int = 0,
+                  spread: int | None = None) -> list[int]:
+    """``n_tokens`` tokens of the corpus's ``split`` (``corpus``: a spec, or documents already
+    loaded), whose documents are each prefixed with BOS (else EOS) and concatenated in id order.
+
+    Contiguous (``spread`` None): tokens ``offset`` … ``offset + n_tokens`` - 1, fewer where the
+    text ends first. Spread: runs of ``spread`` tokens (the last one shorter where ``spread``
+    does not divide ``n_tokens``) starting at evenly spaced points of the whole text, the first
+    at ``offset``, each run wrapping round to the start where it passes the end; the whole text
+    where it is not longer than ``n_tokens``. A mix takes ``n_tokens / parts`` tokens of each part,
+    each from its own ``offset``, parts in the order given."""
     docs = load_corpus(corpus, split) if isinstance(corpus, str) else corpus
     parts = list(dict.fromkeys(d.part for d in docs))
     if len(parts) > 1:
         shares = [n_tokens // len(parts) + (i < n_tokens % len(parts)) for i in range(len(parts))]
         return [t for part, share in zip(parts, shares)
-                for t in corpus_tokens(tokenizer, [d for d in docs if d.part == part], share, offset=offset)]
+                for t in corpus_tokens(tokenizer, [d for d in docs if d.part == part], share, offset=offset,
+                                       spread=spread)]
     prefix = getattr(tokenizer, "bos_token_id", None)
     if prefix is None:
         prefix = getattr(tokenizer, "eos_token_id", None)
     ids: list[int] = []
     for doc in docs:
-        if len(ids) >= offset + n_tokens:
+        if spread is None and len(ids) >= offset + n_tokens:
             break
         body = list(tokenizer.encode(doc.target, add_special_tokens=False))
         ids += ([prefix] if prefix is not None else []) + body
-    return ids[offset : offset + n_tokens]
+    if spread is None:
+        return ids[offset : offset + n_tokens]
+    if offset >= len(ids):
+        return []
+    if len(ids) <= n_tokens:
+        return ids
+    runs = -(-n_tokens // spread)
+    starts = [(offset + i * len(ids) // runs) % len(ids) for i in range(runs)]
+    lengths = [spread] * (runs - 1) + [n_tokens - spread * (runs - 1)]
+    cycled = ids + ids  # a run that passes the end goes on from the start
+    return [t for start, n in zip(starts, lengths) for t in cycled[start : start + n]]
 
 
 def replaced_characters(docs: list[Document]) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from npuq.calibrate.split import split_windows
-from npuq.data.corpora import CALIB_CORPUS, corpus_tokens, load_corpus, replaced_characters
+from npuq.data.corpora import CALIB_CORPUS, CALIB_SAMPLINGS, corpus_tokens, load_corpus, replaced_characters
 from npuq.device import is_cpu
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
@@ -53,6 +53,9 @@ class QuantizeOptions:
     # tokens of the calib split skipped before the calibration text (of each part of a mix): another
     # draw of the same corpus; None (no key, so earlier records keep their keys): 0
     calib_offset: int | None = optional_key()
+    # CALIB_SAMPLINGS: one stretch of the split, or windows spread over all of it (corpus_tokens);
+    # None (no key): "contiguous"
+    calib_sampling: str | None = optional_key()
     context: int = 512
     calibration_mode: str = "onepass"
     prefill_len: int | None = None  # None: default_prefill_len(context)
@@ -89,6 +92,11 @@ class QuantizeOptions:
             raise NpuqError(f"--calib-offset {self.calib_offset} must be 0 or more (tokens of the calib split to skip)")
         if self.calib_offset == 0:  # the default, so the two records are equal
             object.__setattr__(self, "calib_offset", None)
+        if self.calib_sampling is not None and self.calib_sampling not in CALIB_SAMPLINGS:
+            raise NpuqError(f"unknown --calib-sampling {self.calib_sampling!r}; choose one of "
+                            f"{', '.join(CALIB_SAMPLINGS)}")
+        if self.calib_sampling == CALIB_SAMPLINGS[0]:  # the default, so the two records are equal
+            object.__setattr__(self, "calib_sampling", None)
         if self.parts is not None and self.parts < 1:
             raise NpuqError(f"--parts {self.parts} must be at least 1")
         if self.batch_size < 1:
@@ -256,7 +264,8 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     loaded = (open_streamed if parts > 1 else load_model)(o.model, max_context=max_context)
     if o.context > loaded.config.max_position_embeddings:
         raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
-    tokens = corpus_tokens(loaded.encoder, documents, o.calib_tokens, offset=o.calib_offset or 0)
+    tokens = corpus_tokens(loaded.encoder, documents, o.calib_tokens, offset=o.calib_offset or 0,
+                           spread=o.context if o.calib_sampling == "spread" else None)
     if len(tokens) < 2:
         raise NpuqError(f"--calib-offset {o.calib_offset} skips the whole calib split of {o.calib_corpus!r} (its "
                         "text ends first): give a smaller offset, or a longer corpus")
@@ -299,7 +308,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         saving = time.perf_counter()
         replaced = replaced_characters(documents)
         calibration = {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
-                       "offset": o.calib_offset or 0,
+                       "offset": o.calib_offset or 0, "sampling": o.calib_sampling or CALIB_SAMPLINGS[0],
                        "tokens": qm.stats["calibration_tokens"], "mode": o.calibration_mode,
                        "batch_size": o.batch_size, "batch_size_used": qm.stats["batch_size"],
                        "replacement_characters": replaced,
