@@ -33,7 +33,7 @@ quantized row's windows and records, per domain, the mean and 99th percentile of
 KL divergence from it and the top-1 agreement (npuq.eval.kld, as ``npuq eval --kl-divergence``):
 steadier between calibration draws than a perplexity ratio. Writes JSON, again after every row:
 
-    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 4096] [--calib-offset 0] [--eval-tokens 4096] [--layer-tokens 0] [--kl-divergence] [--out FILE]
+    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 4096] [--calib-offset 0] [--calib-sampling contiguous|spread] [--eval-tokens 4096] [--layer-tokens 0] [--kl-divergence] [--out FILE]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from npuq.quantize.passes import fold_constant_dequant
 from npuq.quantize.pt2e import SCORING_BATCH, quantize_model
 from npuq.quant.recipe import ROTATIONS, load_recipe
 from npuq.quantize.stage import ROTATION_SEED
-from npuq.data.corpora import corpus_tokens
+from npuq.data.corpora import CALIB_SAMPLINGS, corpus_tokens
 from npuq.optimize.driver import RecoveryOptions
 from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.recovery import optimize_for_recipe
@@ -139,8 +139,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (npuq quantize's default)")
     ap.add_argument("--calib-offset", type=int, default=0,
-                    help="start each calibration text this many tokens into its split: another draw of the same "
-                         "kind of text, to measure how much a row moves between draws (single corpora, not mixes)")
+                    help="start each calibration text this many tokens into its split (each part of a mix into "
+                         "its own): another draw of the same kind of text, to measure how much a row moves between draws")
+    ap.add_argument("--calib-sampling", choices=CALIB_SAMPLINGS, default=CALIB_SAMPLINGS[0],
+                    help="as npuq quantize's: one stretch of the split, or windows of --context tokens spread over it")
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--set", choices=sorted(SETS), default="domains", help="which configurations (see above)")
     ap.add_argument("--only", action="append", help="run only configurations whose label contains this")
@@ -183,10 +185,9 @@ def main() -> None:
                 if not args.only or any(o == spec["config"] if args.exact else o in spec["config"] for o in args.only)]
     calib_specs = {c: c for c in dict.fromkeys(["builtin"] + [spec["calib"] for spec in selected])}  # label → spec
 
-    def calibration(spec: str) -> list[int]:
-        if args.calib_offset and "+" in spec:
-            ap.error(f"--calib-offset: {spec} is a mix of corpora; use it with single corpora")
-        ids = corpus_tokens(tok, spec, args.calib_offset + args.calib_tokens)[args.calib_offset:]
+    def calibration(spec: str) -> list[int]:  # as npuq quantize draws it (each part of a mix from its own offset)
+        ids = corpus_tokens(tok, spec, args.calib_tokens, offset=args.calib_offset,
+                            spread=args.context if args.calib_sampling == "spread" else None)
         if args.calib_offset and len(ids) < args.calib_tokens:
             ap.error(f"--calib-offset {args.calib_offset}: the {spec} calib split has only "
                      f"{args.calib_offset + len(ids)} tokens; use a smaller offset")
@@ -221,7 +222,7 @@ def main() -> None:
 
     def write_result() -> None:
         result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
-                  "calib_offset": args.calib_offset,
+                  "calib_offset": args.calib_offset, "calib_sampling": args.calib_sampling,
                   "gptq_damp": gptq_damps.damp, "gptq_damp_down": gptq_damps.damp_down,
                   "eval_tokens": args.eval_tokens, "kl_divergence": args.kl_divergence, "calibration": calib_specs,
                   "domains": DOMAINS,
