@@ -124,7 +124,7 @@ def tune_cached(
     if result.contention is not None and result.contention > CONTENDED:
         warnings.warn(
             f"while timing the {phase} phase npuq's threads waited for a CPU {result.contention:.0%} of "
-            f"the time (another process is using these CPUs): {result.best} threads serve this run, and "
+            f"the time (other work was running on these CPUs): {result.best} threads serve this run, and "
             "the result is not cached, so the next run measures again (npuq tune-threads --retune on "
             "a quiet machine)", stacklevel=2)
         return result
