@@ -4,8 +4,9 @@ For a few blocks of a model (R1 folded in, as npuq's 4-bit recipes do), the inpu
 H = XᵀX of the q, o, up and down projections is collected on the float model over three texts
 (the recovery's own walk, npuq.optimize.driver.sequential_groups with float inputs):
 the builtin calib split (what ``npuq quantize`` calibrates on by default), and the eval splits
-of ``prose`` and ``code``. Each layer's weight is put on its LPBQ grid (16a4w_block: 4-bit codes,
-blocks of 64, min/max scales by the backend's rule) with nearest rounding and with GPTQ fitted to
+of ``prose`` and ``code``. Each layer's weight is put on its LPBQ grid (16a4w_block's, as
+npuq.optimize.recovery.linear_weight_specs reads it from the recipe: 4-bit codes, blocks of 32,
+min/max block scales by the backend's rule) with nearest rounding and with GPTQ fitted to
 the calib H at each damping, and scored on each text by its relative output error
 tr(ΔW H ΔWᵀ) / tr(W H Wᵀ). On the calib text GPTQ always wins; the other two texts show whether
 the win holds (docs/design.md §5: on Qwen2.5-Coder-0.5B's down projections GPTQ at damping 0.1
@@ -29,14 +30,15 @@ from npuq.data.corpora import corpus_tokens
 from npuq.fsio import write_json
 from npuq.models import load_model, load_tokenizer
 from npuq.optimize.driver import sequential_groups
+from npuq.optimize.recovery import linear_weight_specs
 from npuq.optimize.gptq import gptq_codes
 from npuq.optimize.rotate import rotate_model
 from npuq.optimize.seqmse import dequantize, fake_quantize, lpbq_scale
+from npuq.quant.recipe import load_recipe
 from npuq.quantize.stage import ROTATION_SEED
 
 KINDS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")
 TEXTS = {"calib": ("builtin", "calib"), "prose": ("prose", "eval"), "code": ("code", "eval")}
-BLOCK = 64  # 16a4w_block's
 
 
 def relative_error(weight: torch.Tensor, quantized: torch.Tensor, gram: torch.Tensor) -> float:
@@ -71,13 +73,15 @@ def main() -> None:
                       for layer in group}
         print(f"{key}: {n} tokens", flush=True)
     modules = dict(model.named_modules())
+    specs = linear_weight_specs(model, load_recipe("16a4w_block"))
     rows = {}
     for name in names:
         weight = modules[name].weight.detach().float()
-        scale = lpbq_scale(weight, 4, BLOCK)
-        methods = {"nearest": fake_quantize(weight, scale, 4)}
+        spec = specs[name]
+        scale = lpbq_scale(weight, spec.bits, spec.block_size, spec.scale_bits, spec.eps)
+        methods = {"nearest": fake_quantize(weight, scale, spec.bits)}
         for damp in damps:
-            methods[f"gptq {damp:g}"] = dequantize(gptq_codes(weight, texts["calib"][name].float(), scale, 4,
+            methods[f"gptq {damp:g}"] = dequantize(gptq_codes(weight, texts["calib"][name].float(), scale, spec.bits,
                                                               damp=damp, act_order=True), scale)
         w = weight.double()
         rows[name] = {m: {t: relative_error(w, q.double(), texts[t][name]) for t in TEXTS} for m, q in methods.items()}
