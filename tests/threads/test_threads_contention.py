@@ -87,21 +87,22 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def test_a_contended_tuning_serves_the_run_but_is_not_cached(cache_dir, monkeypatch):
-    waited = {"ns": 0}
+    class Sched:  # each reading: 60 ms more run, and ``wait_step`` more waiting
+        run = wait = 0
+        wait_step = 60_000_000  # as long waiting as running: a share of 0.5
 
-    def sched():  # each reading: 60 ms more run, and as much waiting as the test says
-        waited["ns"] += waited.get("step", 0)
-        sched.run = getattr(sched, "run", 0) + 60_000_000
-        return {1: (sched.run, waited["ns"])}
+        def __call__(self):
+            self.run, self.wait = self.run + 60_000_000, self.wait + self.wait_step
+            return {1: (self.run, self.wait)}
 
+    sched = Sched()
     monkeypatch.setattr(contention, "snapshot", sched)
     workload = Workload(lambda: None, "sig-contended")
     fast = TuneSettings(warmup=1, repeats=1, min_sample_seconds=0.0)
-    waited["step"] = 60_000_000  # as long waiting as running: a share of 0.5
     with pytest.warns(UserWarning, match=r"waited for a CPU 50% .* not cached"):
         r = tune_cached("prefill", workload, ceiling=2, settings=fast)
     assert r.contention == pytest.approx(0.5) and not (cache_dir / "threads").exists()
-    waited["step"] = 0  # a quiet machine: stored, and read back by the next run
+    sched.wait_step = 0  # a quiet machine: stored, and read back by the next run
     assert tune_cached("prefill", workload, ceiling=2, settings=fast).contention == 0.0
     again = tune_cached("prefill", workload, ceiling=2, settings=fast)
     assert again.cached and again.contention == 0.0
