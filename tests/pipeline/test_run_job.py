@@ -14,7 +14,7 @@ import pytest
 
 from npuq.cli import main
 from npuq.pipeline.stages import MARKER
-from run_inputs import inputs  # noqa: F401  (a fixture)
+from run_inputs import inputs, no_contention_verdict  # noqa: F401  (fixtures)
 from run_inputs import run_argv as argv
 
 STAGES = ["model", "threads", "quantize", "eval-float", "eval-quantized", "layers", "generate", "export",
@@ -80,6 +80,28 @@ def test_second_run_reuses_every_stage_and_export_options_redo_only_the_export(f
     # the superseded export stage folder was pruned, the new one published
     assert len(list((out / "stages").glob("export-*"))) == 1
     assert json.loads((out / "onnx" / "manifest.json").read_text())["options"]["embedding_storage"] == "int8-rowscale"
+
+
+def test_a_threads_stage_timed_beside_other_work_is_measured_again(first_run, inputs):
+    """A stored threads stage whose sweep waited for a CPU more than CONTENDED of its time is not
+    reused: the rerun tunes again (here from the host cache, which holds the first run's quiet
+    timings) under the same key, so every later stage is still reused."""
+    from npuq.threads.tuner import CONTENDED
+
+    out, _ = first_run
+    assert main(argv(inputs, out)) == 0  # the default options again (tests before may have changed export's)
+    stored = next((out / "stages").glob("threads-*")) / "result.json"
+    result = json.loads(stored.read_text())
+    assert all(s["contention"] is None for s in result["sweeps"])  # the reading is off in these tests
+    result["sweeps"][1]["contention"] = CONTENDED + 0.01
+    stored.write_text(json.dumps(result))
+    assert main(argv(inputs, out)) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [s["stage"] for s in report["stages"] if not s["cached"]] == ["threads"]
+    again = json.loads(next((out / "stages").glob("threads-*")).joinpath("result.json").read_text())
+    assert all(s["contention"] is None for s in again["sweeps"]) and again["plan"] == result["plan"]
+    assert main(argv(inputs, out)) == 0  # now quiet: reused
+    assert all(s["cached"] for s in json.loads((out / "report.json").read_text())["stages"])
 
 
 def test_a_run_without_a_target_chip_says_so_first(first_run, inputs, capsys):

@@ -16,7 +16,7 @@ import pytest
 
 from npuq.errors import NpuqError
 from npuq.pipeline.stages import MARKER, RunDir
-from run_inputs import inputs  # noqa: F401  (a fixture)
+from run_inputs import inputs, no_contention_verdict  # noqa: F401  (fixtures)
 from run_inputs import run_argv as argv
 
 # Run 1: holds the run folder argv[1]; builds stage "model", writes a report, says "held", and

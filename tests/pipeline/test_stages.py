@@ -28,6 +28,27 @@ def test_reuse_and_rebuild(tmp_path):
     assert (f1 / "data.txt").read_text() == "x"
 
 
+def test_a_result_its_record_calls_stale_is_built_again_in_place(tmp_path):
+    calls = []
+
+    def build(folder):
+        calls.append(folder)
+        (folder / "data.txt").write_text(str(len(calls)))
+        return {"value": len(calls)}
+
+    def stale(result):
+        return result["value"] == 1
+
+    run = RunDir(tmp_path)
+    key = record_key({"scheme": "16a8w"})
+    f1, _ = run.stage("threads", key, build)
+    f2, r2 = run.stage("threads", key, build, stale)  # the stored result is rejected: built again
+    f3, r3 = run.stage("threads", key, build, stale)  # the new one is kept
+    assert f1 == f2 == f3 and r2 == r3 == {"value": 2} and (f1 / "data.txt").read_text() == "2"
+    assert [e.cached for e in run.log] == [False, False, True]
+    assert [p.name for p in (tmp_path / "stages").iterdir()] == [f1.name]  # replaced, nothing left aside
+
+
 def test_failed_stage_leaves_nothing_and_marker_reports_it(tmp_path):
     def boom(folder):
         (folder / "partial.bin").write_bytes(b"half")

@@ -1,12 +1,13 @@
 """The tuner on a fake clock: candidates, selection, ties, early stop, skipped and failing counts."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from npuq.threads.tuner import (
-    EXHAUSTIVE, TuneResult, TuneSettings, candidate_counts, choose, measure_order, tune,
+    CONTENDED, EXHAUSTIVE, TuneResult, TuneSettings, candidate_counts, choose, measure_order, tune,
 )
 
 # One call per sample and no early stop unless a test asks for it, so call counts are exact:
@@ -259,9 +260,13 @@ def test_contention_is_the_largest_share_of_waiting_of_any_count():
     host = ContendedHost({1: 1.0, 2: 4.0}, wait={1: 0.1, 2: 3.0})
     r = tune(host.run, 2, default_threads=2, settings=PLAIN, clock=host.clock, sched=host.sched)
     assert r.best == 1 and r.contention == pytest.approx(0.75)
-    assert TuneResult.from_dict(r.to_dict()).contention == pytest.approx(0.75)
+    assert TuneResult.from_dict(r.to_dict()).contention == pytest.approx(0.75) and r.contended
     quiet = ContendedHost({1: 1.0, 2: 0.6}, wait={})
-    assert tune(quiet.run, 2, settings=PLAIN, clock=quiet.clock, sched=quiet.sched).contention == 0.0
+    q = tune(quiet.run, 2, settings=PLAIN, clock=quiet.clock, sched=quiet.sched)
+    assert q.contention == 0.0 and not q.contended
+    # the line is CONTENDED itself (not above it: quiet); no reading is no verdict
+    assert [dataclasses.replace(q, contention=c).contended for c in (CONTENDED, CONTENDED + 1e-9, None)] == \
+        [False, True, False]
 
 
 def test_without_schedstat_or_enough_cpu_time_there_is_no_verdict():

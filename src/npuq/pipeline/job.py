@@ -145,7 +145,8 @@ class Job:
         if planned is None:
             return
         key, build, record = planned
-        folder, data = self.run.stage(stage.name, key, lambda tmp: _plain(build(tmp)))
+        # a record type may reject its stored result (ThreadsResult: timed beside other work)
+        folder, data = self.run.stage(stage.name, key, lambda tmp: _plain(build(tmp)), getattr(record, "stale", None))
         release_memory()  # the stage's programs and sessions, before the next stage allocates its own
         entry = self.run.log[-1]
         self.say(f"      {stage.name}: reused from {folder.relative_to(self.out)}" if entry.cached

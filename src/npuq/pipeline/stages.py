@@ -82,9 +82,11 @@ class RunDir:
     def _mark(self, stage: str | None) -> None:
         write_json(self.root / MARKER, {"pid": os.getpid(), "stage": stage, "since": time.time()})
 
-    def stage(self, name: str, key: str, build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    def stage(self, name: str, key: str, build: Callable[[Path], dict[str, Any]],
+              stale: Callable[[dict[str, Any]], bool] | None = None) -> tuple[Path, dict[str, Any]]:
         """Return (folder, result) of stage ``name`` under ``key`` (npuq.records.record_key of
-        everything the stage reads): reused when that folder is complete, else built.
+        everything the stage reads): reused when that folder is complete and ``stale`` (if
+        given) does not reject its result, else built (replacing a rejected folder).
 
         ``build(folder)`` writes its files into ``folder`` and returns a JSON-able result. A
         build that raises ends the run: the lock is released, the marker names the stage.
@@ -94,8 +96,9 @@ class RunDir:
         folder = self.root / "stages" / f"{name}-{key}"
         if (folder / RESULT).is_file():
             result = json.loads((folder / RESULT).read_text())
-            self.log.append(StageEntry(name, key, True, 0.0))
-            return folder, result
+            if stale is None or not stale(result):
+                self.log.append(StageEntry(name, key, True, 0.0))
+                return folder, result
         self._mark(name)
         start = time.perf_counter()
         try:

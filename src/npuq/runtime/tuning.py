@@ -56,6 +56,13 @@ class ThreadsResult:
     def tune_results(self) -> list[TuneResult]:
         return [TuneResult.from_dict(s) for s in self.sweeps]
 
+    @classmethod
+    def stale(cls, data: dict[str, Any]) -> bool:
+        """Whether a stored result (``npuq run``'s threads stage) must be measured again: one of
+        its sweeps was timed beside other work (TuneResult.contended), so a rerun tunes anew,
+        as the per-host cache would."""
+        return any(TuneResult.from_dict(s).contended for s in data.get("sweeps", ()))
+
     def describe(self) -> str:
         """One row per phase: the chosen count, its time per step and its speedup over torch's default."""
         rows = [f"{'phase':<10}{'best':>5}{'ms/step':>10}{'default':>9}{'speedup':>9}{'tuning s':>10}  cached"]

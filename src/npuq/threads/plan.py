@@ -20,9 +20,6 @@ from npuq.threads.limits import cpu_ceiling
 from npuq.threads.scope import thread_scope
 from npuq.threads.tuner import BUDGETED, TuneResult, TuneSettings, Workload, tune
 
-# A tuning whose threads waited for a CPU more than this share of their runnable time measured
-# another process as much as the workload (on a quiet machine the share is a few percent).
-CONTENDED = 0.2
 # measured now, read from the cache, given by the user, torch's count kept (work off the CPU: no tuning)
 SOURCES = ("auto", "cache", "user", "kept")
 
@@ -110,7 +107,7 @@ def tune_cached(
 
     ``retune`` ignores the cache (and replaces its entry). A cache that cannot be written only
     costs a warning: the result is still returned. Nor is a result stored whose counts waited
-    for a CPU more than ``CONTENDED`` of their time (another process was running): it serves
+    for a CPU more than ``tuner.CONTENDED`` of their time (another process was running): it serves
     this run, with a warning, and the next run tunes again.
     """
     ceiling = cpu_ceiling() if ceiling is None else ceiling
@@ -121,7 +118,7 @@ def tune_cached(
             return hit
     result = tune(workload.run, ceiling, phase=phase, settings=settings, signature=workload.signature,
                   on_candidate=on_candidate)
-    if result.contention is not None and result.contention > CONTENDED:
+    if result.contended:
         warnings.warn(
             f"while timing the {phase} phase npuq's threads waited for a CPU {result.contention:.0%} of "
             f"the time (other work was running on these CPUs): {result.best} threads serve this run, and "

@@ -26,6 +26,9 @@ from npuq.threads.scope import thread_scope
 FRACTIONS = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 2 / 3, 3 / 4, 1)
 
 Clock = Callable[[], float]  # seconds, monotonic
+# A tuning whose threads waited for a CPU more than this share of their runnable time measured
+# another process as much as the workload (on a quiet machine the share is a few percent).
+CONTENDED = 0.2
 Sched = Callable[[], "contention.Snapshot | None"]  # per-thread run and run-queue wait times
 Scope = Callable[[int], ContextManager[Any]]
 
@@ -124,6 +127,12 @@ class TuneResult:
     # The largest share of its runnable time that any count's calls spent waiting for a CPU held
     # by another process (npuq.threads.contention); None where the kernel does not say.
     contention: float | None = None
+
+    @property
+    def contended(self) -> bool:
+        """Whether the timings waited for a CPU more than ``CONTENDED`` of their time: they
+        measured other work as much as this workload, so they are not kept for later runs."""
+        return self.contention is not None and self.contention > CONTENDED
 
     @property
     def best_seconds(self) -> float | None:
