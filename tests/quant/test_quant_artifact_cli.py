@@ -200,6 +200,38 @@ def test_cli_quantize_rotate(tmp_path, hf_folder, monkeypatch):
     assert "rotation" not in config and config["recipe"]["rotate"] is None
 
 
+def test_cli_quantize_times_threads_before_the_weights_hash_starts(tmp_path, hf_folder, monkeypatch):
+    """The thread tuning times the model on every CPU it may use; the weights hash, a thread of
+    its own, must not run beside it (it would be timed too, and the timing then not cached as
+    contended). The hash is slowed here so that, started first, it would still be running."""
+    import threading
+    import time
+
+    from npuq.models import load_model
+    from npuq.quantize import artifact
+    from npuq.runtime.context import ExecutionContext
+    from npuq.threads import contention
+
+    monkeypatch.setenv("NPUQ_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(contention, "snapshot", lambda: None)  # the verdict is not what this test is about
+    hashing = artifact._state_sha256
+    monkeypatch.setattr(artifact, "_state_sha256", lambda items: (time.sleep(1.0), hashing(items))[1])
+    beside = []
+    plan_model = ExecutionContext.plan_model
+
+    def timed(self, model, *args, **kwargs):
+        beside.append([t.name for t in threading.enumerate() if t.name.startswith("npuq-weights-sha256")])
+        return plan_model(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(ExecutionContext, "plan_model", timed)
+    folder, text = hf_folder
+    assert main(["quantize", "--model", str(folder), "--scheme", "16a8w", "--rotate", "none", "--calib-corpus",
+                 f"file:{text}", "--calib-tokens", "40", "--context", str(CONTEXT), "--out", str(tmp_path / "a")]) == 0
+    assert beside == [[]]
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["model"]["weights_sha256"] == artifact.weights_sha256(load_model(str(folder)).model)  # still of the weights as loaded
+
+
 def test_cli_bad_inputs(tmp_path, hf_folder, capsys):
     folder, text = hf_folder
     base = ["quantize", "--model", str(folder), "--calib-corpus", f"file:{text}", "--context", str(CONTEXT),

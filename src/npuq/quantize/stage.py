@@ -269,13 +269,16 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     if len(tokens) < 2:
         raise NpuqError(f"--calib-offset {o.calib_offset} skips the whole calib split of {o.calib_corpus!r} (its "
                         "text ends first): give a smaller offset, or a longer corpus")
+    streamed = isinstance(loaded.model, StreamedDecoder)
+    # Timing thread counts runs the model; streamed, each run would read every weight from disk.
+    # Before the weights hash starts: its thread would share the CPUs being timed.
+    plan = ctx.plan_model(None if streamed else loaded.model, (o.phase,), o.context)
     weights_sha256 = start_weights_sha256(loaded.model)  # of the float weights as loaded
-    if isinstance(loaded.model, StreamedDecoder):
+    if streamed:
         # Before the first part, not beside it: the hash widens each tensor to float32 in turn,
         # and a 7B's embedding table (2.2 GB) next to the first part's took the peak to 9 GiB.
         weights_sha256()
     rotation = None
-    streamed = isinstance(loaded.model, StreamedDecoder)
     folded = recipe.rotation
     if folded is not None:  # before everything that reads the weights: the artifact holds rotated ones
         if streamed:  # each part is rotated as it is read: the hash reads the checkpoint as it is
@@ -285,8 +288,6 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
             rotation = rotate_model(loaded.model, seed=ROTATION_SEED, r1=folded.r1, r2=folded.r2)
         if ctx.progress:
             print(rotation.describe(), file=sys.stderr, flush=True)
-    # Timing thread counts runs the model; streamed, each run would read every weight from disk.
-    plan = ctx.plan_model(None if streamed else loaded.model, (o.phase,), o.context)
     budget = None
     if o.bits_per_weight is not None:  # the formats, measured on the weights as calibrated (rotated)
         with ctx.scope(o.phase):
