@@ -86,7 +86,7 @@ def test_a_threads_stage_timed_beside_other_work_is_measured_again(first_run, in
     """A stored threads stage whose sweep waited for a CPU more than CONTENDED of its time is not
     reused: the rerun tunes again (here from the host cache, which holds the first run's quiet
     timings) under the same key, so every later stage is still reused."""
-    from npuq.threads.tuner import CONTENDED
+    from npuq.threads import CONTENDED
 
     out, _ = first_run
     assert main(argv(inputs, out)) == 0  # the default options again (tests before may have changed export's)

@@ -77,3 +77,13 @@ def test_cli_tunes_caches_and_plots(tiny, monkeypatch, tmp_path, capsys):
     assert not any(r["cached"] for r in json.loads(out.read_text())["results"])
     main(["tune-threads", "--model", "tiny", "--phase", "all", "--context", "16", "--prefill-len", "8", "--json", str(out)])
     assert [r["phase"] for r in json.loads(out.read_text())["results"]] == ["decode", "prefill", "calibrate"]
+
+
+def test_a_stored_threads_stage_is_stale_only_where_a_sweep_waited_too_long():
+    from npuq.runtime.tuning import ThreadsResult
+    from npuq.threads import CONTENDED
+
+    assert ThreadsResult.stale({"sweeps": [{"contention": None}, {"contention": CONTENDED + 0.01}]})
+    assert not ThreadsResult.stale({"sweeps": [{"contention": CONTENDED}, {"contention": None}]})
+    assert not ThreadsResult.stale({"sweeps": [{"phase": "decode"}]})  # stored before npuq read contention
+    assert not ThreadsResult.stale({"sweeps": []})  # a streamed model: nothing was timed

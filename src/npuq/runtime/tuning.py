@@ -16,7 +16,7 @@ from npuq.errors import NpuqError
 from npuq.models.stream import StreamedDecoder
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.workloads import PHASES, phase_workload
-from npuq.threads import TuneResult, cpu_limits, tune_cached
+from npuq.threads import CONTENDED, TuneResult, cpu_limits, tune_cached
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,9 @@ class ThreadsResult:
     @classmethod
     def stale(cls, data: dict[str, Any]) -> bool:
         """Whether a stored result (``npuq run``'s threads stage) must be measured again: one of
-        its sweeps was timed beside other work (TuneResult.contended), so a rerun tunes anew,
-        as the per-host cache would."""
-        return any(TuneResult.from_dict(s).contended for s in data.get("sweeps", ()))
+        its sweeps waited for a CPU more than CONTENDED of its time (TuneResult.contended), so a
+        rerun tunes anew, as the per-host cache would."""
+        return any((s.get("contention") or 0.0) > CONTENDED for s in data.get("sweeps", ()))  # absent: older npuq
 
     def describe(self) -> str:
         """One row per phase: the chosen count, its time per step and its speedup over torch's default."""
