@@ -178,7 +178,7 @@ class TuneResult:
             tuning_seconds=float(d["tuning_seconds"]), stopped=tuple(int(n) for n in d["stopped_early"]),
             errors={int(n): str(m) for n, m in d["errors"].items()}, signature=str(d["signature"]),
             cached=bool(d["cached"]),
-            contention=None if d["contention"] is None else float(d["contention"]),
+            contention=None if d.get("contention") is None else float(d["contention"]),  # absent: older npuq
         )
 
 
