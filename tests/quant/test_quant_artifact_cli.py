@@ -108,6 +108,7 @@ def test_cli_quantize_end_to_end(tmp_path, hf_folder, capsys, monkeypatch):
     result = json.loads(result_file.read_text())
     assert RESULT_KEYS <= set(result)
     assert (result["scheme"], result["calibration_mode"], result["calibration_tokens"]) == ("16a4w", "onepass", 40)
+    assert result["seq_mse"] is result["gram_seconds"] is None  # no SeqMSE/GPTQ walk
     assert "layers.1.mlp.down_proj" in capsys.readouterr().out  # the recipe summary
     config = json.loads((out / "config.json").read_text())
     assert len(config["model"]["weights_sha256"]) == 64 and config["calibration"]["corpus"] == f"file:{text}"

@@ -320,6 +320,9 @@ def test_cli_quantizes_in_parts_with_gptq_as_it_does_whole(tmp_path):
         out = tmp_path / f"p{parts}"
         assert main([*common, "--parts", parts, "--out", str(out), "--json", str(tmp_path / f"p{parts}.json")]) == 0
         results[parts] = json.loads((tmp_path / f"p{parts}.json").read_text())
+        # the walk's time is in the result as in config.json, beside SeqMSE's and GPTQ's
+        optimize = json.loads((out / "config.json").read_text())["optimize"]
+        assert results[parts]["gram_seconds"] == optimize["gram_seconds"] > 0
         assert main(["eval", "--artifact", str(out), "--context", "16", "--max-tokens", "64", "--num-threads", "1",
                      "--json", str(tmp_path / f"e{parts}.json")]) == 0
     assert results["2"]["streamed"] is True and results["1"]["streamed"] is False

@@ -170,6 +170,8 @@ class QuantizeResult:
     seq_mse: SeqMseSummary | None = None  # None: neither SeqMSE nor GPTQ ran
     weight_rounding: RoundingSummary | None = None
     layer_inputs: str | None = None
+    # SeqMSE/GPTQ's walk: the calibration windows through the blocks and the layers' input Grams
+    gram_seconds: float | None = None
     export_seconds: float | None = None  # the part of prepare_seconds that traced the model graph
     save_seconds: float | None = None  # writing the artifact folder
     rotation: dict[str, Any] | None = None  # npuq.optimize.rotate.RotationReport; None: not rotated
@@ -334,6 +336,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         seq_mse=optimized.seq_mse if optimized is not None else None,
         weight_rounding=optimized.weight_rounding if optimized is not None else None,
         layer_inputs=optimized.layer_inputs if optimized is not None else None,
+        gram_seconds=optimized.gram_seconds if optimized is not None else None,
         export_seconds=s.get("export_seconds"), save_seconds=saved, rotation=rotation_json,
         parts=parts, streamed=streamed,
         bits_per_weight=size.bits_per_weight, weight_bytes=size.weight_bytes, budget=budget,
