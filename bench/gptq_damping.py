@@ -30,8 +30,8 @@ from npuq.data.corpora import corpus_tokens
 from npuq.fsio import write_json
 from npuq.models import load_model, load_tokenizer
 from npuq.optimize.driver import sequential_groups
-from npuq.optimize.recovery import linear_weight_specs
 from npuq.optimize.gptq import gptq_codes
+from npuq.optimize.recovery import linear_weight_specs
 from npuq.optimize.rotate import rotate_model
 from npuq.optimize.seqmse import dequantize, fake_quantize, lpbq_scale
 from npuq.quant.recipe import load_recipe

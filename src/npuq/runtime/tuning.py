@@ -16,7 +16,7 @@ from npuq.errors import NpuqError
 from npuq.models.stream import StreamedDecoder
 from npuq.runtime.context import ExecutionContext
 from npuq.runtime.workloads import PHASES, phase_workload
-from npuq.threads import CONTENDED, TuneResult, cpu_limits, tune_cached
+from npuq.threads import TuneResult, cpu_limits, is_contended, tune_cached
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,9 @@ class ThreadsResult:
     @classmethod
     def stale(cls, data: dict[str, Any]) -> bool:
         """Whether a stored result (``npuq run``'s threads stage) must be measured again: one of
-        its sweeps waited for a CPU more than CONTENDED of its time (TuneResult.contended), so a
-        rerun tunes anew, as the per-host cache would."""
-        return any((s.get("contention") or 0.0) > CONTENDED for s in data.get("sweeps", ()))  # absent: older npuq
+        its sweeps was timed beside other work (npuq.threads.is_contended, the per-host cache's
+        rule), so a rerun tunes anew. A sweep stored before npuq read contention has none."""
+        return any(is_contended(s.get("contention")) for s in data.get("sweeps", ()))
 
     def describe(self) -> str:
         """One row per phase: the chosen count, its time per step and its speedup over torch's default."""

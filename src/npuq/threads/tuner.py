@@ -29,6 +29,14 @@ Clock = Callable[[], float]  # seconds, monotonic
 # A tuning whose threads waited for a CPU more than this share of their runnable time measured
 # another process as much as the workload (on a quiet machine the share is a few percent).
 CONTENDED = 0.2
+
+
+def is_contended(share: float | None) -> bool:
+    """Whether a tuning that waited for a CPU ``share`` of its time (None: no reading) measured
+    other work as much as its workload, so that it is not kept for later runs."""
+    return share is not None and share > CONTENDED
+
+
 Sched = Callable[[], "contention.Snapshot | None"]  # per-thread run and run-queue wait times
 Scope = Callable[[int], ContextManager[Any]]
 
@@ -130,9 +138,8 @@ class TuneResult:
 
     @property
     def contended(self) -> bool:
-        """Whether the timings waited for a CPU more than ``CONTENDED`` of their time: they
-        measured other work as much as this workload, so they are not kept for later runs."""
-        return self.contention is not None and self.contention > CONTENDED
+        """:func:`is_contended` of this result's ``contention``."""
+        return is_contended(self.contention)
 
     @property
     def best_seconds(self) -> float | None:
