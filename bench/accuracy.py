@@ -1,8 +1,10 @@
 """Word perplexity of SmolLM2-135M under each quantization recipe and accuracy-recovery method,
 on three domains.
 
-Calibration text is the builtin corpus's calib split (CPython's reference documentation). Every
-configuration is scored at context 512 on
+Calibration text is the builtin corpus's calib split (CPython's reference documentation), drawn
+for each row as ``npuq quantize`` would draw it unless --calib-tokens / --calib-sampling say
+otherwise: 4096 tokens in one stretch, or 8192 spread over the split where SeqMSE or GPTQ runs
+(npuq.data.corpora.calibration_draw). Every configuration is scored at context 512 on
 
 - ``builtin``: the builtin corpus's eval split, disjoint from calib but of the same domain;
 - ``prose``: English prose of another domain, never used for calibration or tuning: the 1911
@@ -33,7 +35,7 @@ quantized row's windows and records, per domain, the mean and 99th percentile of
 KL divergence from it and the top-1 agreement (npuq.eval.kld, as ``npuq eval --kl-divergence``):
 steadier between calibration draws than a perplexity ratio. Writes JSON, again after every row:
 
-    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens 4096] [--calib-offset 0] [--calib-sampling contiguous|spread] [--eval-tokens 4096] [--layer-tokens 0] [--kl-divergence] [--out FILE]
+    .venv/bin/python bench/accuracy.py [--set domains] [--calib-tokens N] [--calib-offset 0] [--calib-sampling contiguous|spread] [--eval-tokens 4096] [--layer-tokens 0] [--kl-divergence] [--out FILE]
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import platform
 import time
@@ -58,7 +61,7 @@ from npuq.quantize.passes import fold_constant_dequant
 from npuq.quantize.pt2e import SCORING_BATCH, quantize_model
 from npuq.quant.recipe import ROTATIONS, load_recipe
 from npuq.quantize.stage import ROTATION_SEED
-from npuq.data.corpora import CALIB_SAMPLINGS, corpus_tokens
+from npuq.data.corpora import CALIB_SAMPLINGS, calibration_draw, corpus_tokens
 from npuq.optimize.driver import RecoveryOptions
 from npuq.optimize.gptq import GptqOptions
 from npuq.optimize.recovery import optimize_for_recipe
@@ -137,12 +140,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (npuq quantize's default)")
+    ap.add_argument("--calib-tokens", type=int, default=None,
+                    help="calibration tokens (default: npuq quantize's for each row: 4096, 8192 with SeqMSE/GPTQ)")
     ap.add_argument("--calib-offset", type=int, default=0,
                     help="start each calibration text this many tokens into its split (each part of a mix into "
                          "its own): another draw of the same kind of text, to measure how much a row moves between draws")
-    ap.add_argument("--calib-sampling", choices=CALIB_SAMPLINGS, default=CALIB_SAMPLINGS[0],
-                    help="as npuq quantize's: one stretch of the split, or windows of --context tokens spread over it")
+    ap.add_argument("--calib-sampling", choices=CALIB_SAMPLINGS, default=None,
+                    help="as npuq quantize's: one stretch of the split, or windows of --context tokens spread over "
+                         "it (default: npuq quantize's for each row: contiguous, spread with SeqMSE/GPTQ)")
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--set", choices=sorted(SETS), default="domains", help="which configurations (see above)")
     ap.add_argument("--only", action="append", help="run only configurations whose label contains this")
@@ -185,15 +190,18 @@ def main() -> None:
                 if not args.only or any(o == spec["config"] if args.exact else o in spec["config"] for o in args.only)]
     calib_specs = {c: c for c in dict.fromkeys(["builtin"] + [spec["calib"] for spec in selected])}  # label → spec
 
-    def calibration(spec: str) -> list[int]:  # as npuq quantize draws it (each part of a mix from its own offset)
-        ids = corpus_tokens(tok, spec, args.calib_tokens, offset=args.calib_offset,
-                            spread=args.context if args.calib_sampling == "spread" else None)
-        if args.calib_offset and len(ids) < args.calib_tokens:
+    @functools.cache
+    def calibration(spec: str, recovers: bool) -> tuple[int, ...]:
+        """As npuq quantize draws it: the flags given, its defaults for such a row (each part of a
+        mix from its own offset)."""
+        tokens, sampling = calibration_draw(recovers, args.calib_tokens, args.calib_sampling)
+        ids = corpus_tokens(tok, spec, tokens, offset=args.calib_offset,
+                            spread=args.context if sampling == "spread" else None)
+        if args.calib_offset and len(ids) < tokens:
             ap.error(f"--calib-offset {args.calib_offset}: the {spec} calib split has only "
                      f"{args.calib_offset + len(ids)} tokens; use a smaller offset")
-        return ids
+        return tuple(ids)
 
-    calibs = {name: calibration(spec) for name, spec in calib_specs.items()}
     domains = {name: load_corpus(name, "eval") for name in DOMAINS}
 
     def evaluate(logits_fn, row, batch_size=1, reference_fn=None):
@@ -221,8 +229,8 @@ def main() -> None:
                                 if v is not None})
 
     def write_result() -> None:
-        result = {"model": args.model, "context": args.context, "calib_tokens": len(calibs["builtin"]),
-                  "calib_offset": args.calib_offset, "calib_sampling": args.calib_sampling,
+        result = {"model": args.model, "context": args.context, "calib_tokens": args.calib_tokens,
+                  "calib_offset": args.calib_offset, "calib_sampling": args.calib_sampling,  # None: per row
                   "gptq_damp": gptq_damps.damp, "gptq_damp_down": gptq_damps.damp_down,
                   "eval_tokens": args.eval_tokens, "kl_divergence": args.kl_divergence, "calibration": calib_specs,
                   "domains": DOMAINS,
@@ -262,15 +270,19 @@ def main() -> None:
         recipe = load_recipe(spec["recipe"]).with_rotation(spec["rotate"])  # the rotation this row folds in itself
         start = time.perf_counter()
         scales = None
-        if spec["seq_mse"] is not None or spec["rounding"] != "nearest":
+        recovers = spec["seq_mse"] is not None or spec["rounding"] != "nearest"
+        calib = list(calibration(spec["calib"], recovers))
+        row["calib_tokens"], row["calib_sampling"] = len(calib), calibration_draw(recovers, args.calib_tokens,
+                                                                                   args.calib_sampling)[1]
+        if recovers:
             gptq = dataclasses.replace(gptq_damps, act_order=bool(spec["act_order"])) if spec["rounding"] == "gptq" else None
             recovery = RecoveryOptions(spec["seq_mse"], spec["granularity"] or "channel", spec["rounding"],
                                        spec["layer_inputs"], gptq)
             scales, summary = optimize_for_recipe(
-                model, recipe, split_windows(calibs[spec["calib"]], args.context), recovery, progress=False)
+                model, recipe, split_windows(calib, args.context), recovery, progress=False)
             row.update(optimize=to_json(summary))
         row["optimize_seconds"] = time.perf_counter() - start
-        qm = quantize_model(model, recipe, calibs[spec["calib"]], context=args.context, weight_scales=scales)
+        qm = quantize_model(model, recipe, calib, context=args.context, weight_scales=scales)
         row["quantize_seconds"] = sum(qm.stats[k] for k in ("prepare_seconds", "calibration_seconds", "convert_seconds"))
         folded: dict = {}  # one float copy of the weights for all programs: same numbers, faster
         qm.decode, qm.prefill, qm.scoring = (fold_constant_dequant(gm, folded) for gm in (qm.decode, qm.prefill, qm.scoring))

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable
 
 from npuq.data import load_corpus
-from npuq.data.corpora import CALIB_CORPUS, CALIB_SAMPLINGS
+from npuq.data.corpora import CALIB_CORPUS, CALIB_DRAW, CALIB_SAMPLINGS, RECOVERY_CALIB_DRAW
 from npuq.errors import NpuqError
 from npuq.fsio import write_json
 from npuq.quant.recipe import RECIPES, ROTATE_CHOICES
@@ -186,8 +186,10 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                         "(Milton's Areopagitica, downloaded on first use), code (Python standard library modules), "
                         "or a mix joined by '+' that takes an equal share of tokens from each, e.g. builtin+prose or "
                         f"builtin+file:mine.txt (default: {CALIB_CORPUS})")
-    p.add_argument("--calib-tokens", type=_pos_int, default=4096, metavar="N",
-                   help="calibration tokens (whole windows of --context, plus one shorter tail) (default 4096)")
+    p.add_argument("--calib-tokens", type=_pos_int, default=None, metavar="N",
+                   help="calibration tokens (whole windows of --context, plus one shorter tail) (default "
+                        f"{CALIB_DRAW[0]}; {RECOVERY_CALIB_DRAW[0]} where --seq-mse or --weight-rounding gptq runs: "
+                        "they fit each layer to its inputs' Gram matrix, which more tokens pin down)")
     p.add_argument("--calib-offset", type=_nonneg_int, default=None, metavar="N",
                    help="skip the first N tokens of the calib split (of each corpus of a mix): another draw of "
                         "the same text, to see how much a score owes to the sample (default 0)")
@@ -195,7 +197,8 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                    help="contiguous: the calibration text is one stretch of the calib split from --calib-offset; "
                         "spread: windows of --context tokens from evenly spaced points of the whole split, the "
                         "first at --calib-offset, so a few thousand tokens sample many documents rather than the "
-                        "first few (default contiguous)")
+                        f"first few (default {CALIB_DRAW[1]}; {RECOVERY_CALIB_DRAW[1]} where --seq-mse or "
+                        "--weight-rounding gptq runs)")
     p.add_argument("--context", type=_context, default=512, metavar="L",
                    help="context length of the programs and of the calibration (and evaluation) windows (default 512)")
     p.add_argument("--prefill-len", type=_pos_int, default=None, metavar="N",

@@ -160,6 +160,29 @@ def test_cli_quantize_calib_sampling(tmp_path, hf_folder):
     assert encodings["contiguous"] != encodings["spread"]
 
 
+def test_cli_quantize_recovery_draws_more_tokens_spread(tmp_path, hf_folder):
+    """With SeqMSE/GPTQ and neither --calib-tokens nor --calib-sampling, the calibration is
+    RECOVERY_CALIB_DRAW (8192 tokens spread over the split; this file is shorter, so all of it,
+    as many tokens as a contiguous draw of more than the file); a flag given replaces its half."""
+    from npuq.data.corpora import RECOVERY_CALIB_DRAW
+
+    folder, text = hf_folder
+    base = ["quantize", "--model", str(folder), "--scheme", "16a4w", "--calib-corpus", f"file:{text}",
+            "--context", str(CONTEXT), "--num-threads", "1", "--seq-mse", "2"]
+
+    def calibration(name, *flags):
+        assert main([*base, *flags, "--out", str(tmp_path / name)]) == 0
+        return json.loads((tmp_path / name / "config.json").read_text())["calibration"]
+
+    whole = calibration("whole", "--calib-tokens", "100000", "--calib-sampling", "contiguous")
+    assert whole["sampling"] == "contiguous" and 40 < whole["tokens"] < RECOVERY_CALIB_DRAW[0]
+    default = calibration("default")
+    assert (default["tokens_requested"], default["sampling"], default["tokens"]) == (*RECOVERY_CALIB_DRAW,
+                                                                                     whole["tokens"])
+    given = calibration("given", "--calib-tokens", "40")
+    assert (given["tokens_requested"], given["sampling"], given["tokens"]) == (40, "spread", 40)
+
+
 def test_cli_quantize_rotate(tmp_path, hf_folder, monkeypatch):
     """--rotate r1+r2: the artifact holds the float weights rotated as npuq.optimize.rotate
     rotates them (seed 0, the stage's fixed seed): every linear weight lies within one step of

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from npuq.calibrate.split import split_windows
-from npuq.data.corpora import CALIB_CORPUS, CALIB_SAMPLINGS, corpus_tokens, load_corpus, replaced_characters
+from npuq.data.corpora import (CALIB_CORPUS, CALIB_DRAW, CALIB_SAMPLINGS, calibration_draw, corpus_tokens, load_corpus,
+                               replaced_characters)
 from npuq.device import is_cpu
 from npuq.errors import NpuqError
 from npuq.fsio import folder_lock
@@ -43,18 +44,19 @@ ROTATION_SEED = 0  # the random signs of the Hadamard matrices: fixed, so a reru
 class QuantizeOptions:
     """Everything that decides the artifact; each field is the ``npuq quantize`` flag of the same
     name. Defaults that depend on other fields are filled in on construction (prefill length,
-    layer inputs, act-order, GPTQ's damping), so two records that quantize alike are equal and hash alike."""
+    layer inputs, act-order, GPTQ's damping, the calibration's tokens and sampling), so two records that quantize alike are equal and hash alike."""
 
     model: str = "smollm2-135m"
     scheme: str | None = None  # replaces the recipe's default scheme
     recipe: str | None = None  # built-in name or JSON file; None: the model's default
     calib_corpus: str = CALIB_CORPUS
-    calib_tokens: int = 4096
+    calib_tokens: int | None = None  # None: calibration_draw's for this record (4096, or 8192 with SeqMSE/GPTQ)
     # tokens of the calib split skipped before the calibration text (of each part of a mix): another
     # draw of the same corpus; None (no key, so earlier records keep their keys): 0
     calib_offset: int | None = optional_key()
     # CALIB_SAMPLINGS: one stretch of the split, or windows spread over all of it (corpus_tokens);
-    # None (no key): "contiguous"
+    # None: calibration_draw's ("spread" with SeqMSE/GPTQ, stored so); without them "contiguous",
+    # stored as no key, so the records of runs without recovery keep their keys
     calib_sampling: str | None = optional_key()
     context: int = 512
     calibration_mode: str = "onepass"
@@ -85,9 +87,6 @@ class QuantizeOptions:
                             f"{', '.join(CALIBRATION_MODES)}")
         if self.context < 2:
             raise NpuqError(f"--context {self.context} is too small: a window needs at least 2 tokens")
-        if self.calib_tokens < self.context:
-            raise NpuqError(f"--calib-tokens {self.calib_tokens} is less than one window of --context {self.context}: "
-                            "raise it or lower the context")
         if self.calib_offset is not None and self.calib_offset < 0:
             raise NpuqError(f"--calib-offset {self.calib_offset} must be 0 or more (tokens of the calib split to skip)")
         if self.calib_offset == 0:  # the default, so the two records are equal
@@ -95,8 +94,6 @@ class QuantizeOptions:
         if self.calib_sampling is not None and self.calib_sampling not in CALIB_SAMPLINGS:
             raise NpuqError(f"unknown --calib-sampling {self.calib_sampling!r}; choose one of "
                             f"{', '.join(CALIB_SAMPLINGS)}")
-        if self.calib_sampling == CALIB_SAMPLINGS[0]:  # the default, so the two records are equal
-            object.__setattr__(self, "calib_sampling", None)
         if self.parts is not None and self.parts < 1:
             raise NpuqError(f"--parts {self.parts} must be at least 1")
         if self.batch_size < 1:
@@ -127,6 +124,14 @@ class QuantizeOptions:
         object.__setattr__(self, "layer_inputs", recovery.layer_inputs if recovery.recovers else None)
         if self.weight_rounding != "gptq":  # act-order orders GPTQ only: off with SeqMSE alone
             object.__setattr__(self, "act_order", False if recovery.recovers else None)
+        tokens, sampling = calibration_draw(recovery.recovers, self.calib_tokens, self.calib_sampling)
+        if tokens < self.context:
+            raise NpuqError(f"--calib-tokens {tokens} is less than one window of --context {self.context}: "
+                            "raise it or lower the context")
+        object.__setattr__(self, "calib_tokens", tokens)
+        # contiguous without recovery is stored as no key: equal to the records made before the choice
+        object.__setattr__(self, "calib_sampling", None if (sampling, recovery.recovers) == ("contiguous", False)
+                           else sampling)
 
     @property
     def _gptq(self) -> GptqOptions | None:
@@ -311,7 +316,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         saving = time.perf_counter()
         replaced = replaced_characters(documents)
         calibration = {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
-                       "offset": o.calib_offset or 0, "sampling": o.calib_sampling or CALIB_SAMPLINGS[0],
+                       "offset": o.calib_offset or 0, "sampling": o.calib_sampling or CALIB_DRAW[1],
                        "tokens": qm.stats["calibration_tokens"], "mode": o.calibration_mode,
                        "batch_size": o.batch_size, "batch_size_used": qm.stats["batch_size"],
                        "replacement_characters": replaced,
