@@ -3,8 +3,9 @@ on three domains.
 
 Calibration text is the builtin corpus's calib split (CPython's reference documentation), drawn
 for each row as ``npuq quantize`` would draw it unless --calib-tokens / --calib-sampling say
-otherwise: 4096 tokens in one stretch, or 8192 spread over the split where SeqMSE or GPTQ runs
-(npuq.data.corpora.calibration_draw). Every configuration is scored at context 512 on
+otherwise: 4096 tokens in one stretch, or 8192 spread over the split where SeqMSE or GPTQ fit
+layers of more than 4096 inputs (npuq.data.corpora.calibration_draw; SmolLM2-135M has none).
+Every configuration is scored at context 512 on
 
 - ``builtin``: the builtin corpus's eval split, disjoint from calib but of the same domain;
 - ``prose``: English prose of another domain, never used for calibration or tuning: the 1911
@@ -141,13 +142,13 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--calib-tokens", type=int, default=None,
-                    help="calibration tokens (default: npuq quantize's for each row: 4096, 8192 with SeqMSE/GPTQ)")
+                    help="calibration tokens (default: npuq quantize's for each row)")
     ap.add_argument("--calib-offset", type=int, default=0,
                     help="start each calibration text this many tokens into its split (each part of a mix into "
                          "its own): another draw of the same kind of text, to measure how much a row moves between draws")
     ap.add_argument("--calib-sampling", choices=CALIB_SAMPLINGS, default=None,
                     help="as npuq quantize's: one stretch of the split, or windows of --context tokens spread over "
-                         "it (default: npuq quantize's for each row: contiguous, spread with SeqMSE/GPTQ)")
+                         "it (default: npuq quantize's for each row)")
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--set", choices=sorted(SETS), default="domains", help="which configurations (see above)")
     ap.add_argument("--only", action="append", help="run only configurations whose label contains this")
@@ -190,11 +191,15 @@ def main() -> None:
                 if not args.only or any(o == spec["config"] if args.exact else o in spec["config"] for o in args.only)]
     calib_specs = {c: c for c in dict.fromkeys(["builtin"] + [spec["calib"] for spec in selected])}  # label → spec
 
+    def draw(recovers: bool) -> tuple[int, str]:
+        return calibration_draw(model.config.widest_linear_input if recovers else None, args.calib_tokens,
+                                args.calib_sampling)
+
     @functools.cache
     def calibration(spec: str, recovers: bool) -> tuple[int, ...]:
         """As npuq quantize draws it: the flags given, its defaults for such a row (each part of a
         mix from its own offset)."""
-        tokens, sampling = calibration_draw(recovers, args.calib_tokens, args.calib_sampling)
+        tokens, sampling = draw(recovers)
         ids = corpus_tokens(tok, spec, tokens, offset=args.calib_offset,
                             spread=args.context if sampling == "spread" else None)
         if args.calib_offset and len(ids) < tokens:
@@ -272,8 +277,7 @@ def main() -> None:
         scales = None
         recovers = spec["seq_mse"] is not None or spec["rounding"] != "nearest"
         calib = list(calibration(spec["calib"], recovers))
-        row["calib_tokens"], row["calib_sampling"] = len(calib), calibration_draw(recovers, args.calib_tokens,
-                                                                                   args.calib_sampling)[1]
+        row["calib_tokens"], row["calib_sampling"] = len(calib), draw(recovers)[1]
         if recovers:
             gptq = dataclasses.replace(gptq_damps, act_order=bool(spec["act_order"])) if spec["rounding"] == "gptq" else None
             recovery = RecoveryOptions(spec["seq_mse"], spec["granularity"] or "channel", spec["rounding"],

@@ -91,14 +91,15 @@ def test_defaults_that_depend_on_other_fields_are_filled_in():
     assert QuantizeOptions(calib_sampling="contiguous") == QuantizeOptions()
     assert "calib_sampling" not in to_json(QuantizeOptions())
     assert to_json(QuantizeOptions(calib_sampling="spread"))["calib_sampling"] == "spread"
-    # the calibration draw (npuq.data.corpora.calibration_draw): 4096 contiguous, but 8192 spread where
-    # SeqMSE or GPTQ run; given values kept, and the records of equal draws equal
-    assert (QuantizeOptions().calib_tokens, gptq.calib_tokens, gptq.calib_sampling) == (4096, 8192, "spread")
-    seq_mse = QuantizeOptions(seq_mse=50)
-    assert seq_mse == QuantizeOptions(seq_mse=50, calib_tokens=8192, calib_sampling="spread")
-    assert to_json(seq_mse)["calib_sampling"] == "spread"
+    # the calibration draw (npuq.data.corpora.calibration_draw): 4096 contiguous, filled in; where
+    # SeqMSE/GPTQ run, left to the stage (the model's widest layer input decides), given values kept
+    assert (QuantizeOptions().calib_tokens, gptq.calib_tokens, gptq.calib_sampling) == (4096, None, None)
+    wide, narrow = 4864, 1536  # Qwen2.5-Coder-0.5B's down projections, SmolLM2-135M's
+    assert (gptq.calibration(wide), gptq.calibration(narrow)) == ((8192, "spread"), (4096, "contiguous"))
+    assert QuantizeOptions().calibration(wide) == (4096, "contiguous")  # nothing fitted to a Gram matrix
     given = QuantizeOptions(seq_mse=50, calib_tokens=4096, calib_sampling="contiguous")
-    assert (given.calib_tokens, given.calib_sampling) == (4096, "contiguous") and record_key(given) != record_key(seq_mse)
+    assert given.calibration(wide) == (4096, "contiguous") and record_key(given) != record_key(QuantizeOptions(seq_mse=50))
+    assert QuantizeOptions(seq_mse=50, calib_tokens=2048).calibration(wide) == (2048, "spread")
     assert from_json(QuantizeOptions, to_json(given), "test") == given
     assert ExportOptions(htp_arch="v73").htp_arch == 73 and ExportOptions(soc="sm8650").soc == "SM8650"
 

@@ -188,8 +188,9 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                         f"builtin+file:mine.txt (default: {CALIB_CORPUS})")
     p.add_argument("--calib-tokens", type=_pos_int, default=None, metavar="N",
                    help="calibration tokens (whole windows of --context, plus one shorter tail) (default "
-                        f"{CALIB_DRAW[0]}; {RECOVERY_CALIB_DRAW[0]} where --seq-mse or --weight-rounding gptq runs: "
-                        "they fit each layer to its inputs' Gram matrix, which more tokens pin down)")
+                        f"{CALIB_DRAW[0]}; {RECOVERY_CALIB_DRAW[0]} where --seq-mse or --weight-rounding gptq fit "
+                        f"layers of more than {CALIB_DRAW[0]} inputs, whose Gram matrices need more rows, as Qwen2.5's "
+                        "MLP down projections)")
     p.add_argument("--calib-offset", type=_nonneg_int, default=None, metavar="N",
                    help="skip the first N tokens of the calib split (of each corpus of a mix): another draw of "
                         "the same text, to see how much a score owes to the sample (default 0)")
@@ -197,8 +198,8 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
                    help="contiguous: the calibration text is one stretch of the calib split from --calib-offset; "
                         "spread: windows of --context tokens from evenly spaced points of the whole split, the "
                         "first at --calib-offset, so a few thousand tokens sample many documents rather than the "
-                        f"first few (default {CALIB_DRAW[1]}; {RECOVERY_CALIB_DRAW[1]} where --seq-mse or "
-                        "--weight-rounding gptq runs)")
+                        f"first few (default {CALIB_DRAW[1]}; {RECOVERY_CALIB_DRAW[1]} where --calib-tokens defaults "
+                        f"to {RECOVERY_CALIB_DRAW[0]})")
     p.add_argument("--context", type=_context, default=512, metavar="L",
                    help="context length of the programs and of the calibration (and evaluation) windows (default 512)")
     p.add_argument("--prefill-len", type=_pos_int, default=None, metavar="N",

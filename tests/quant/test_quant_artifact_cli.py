@@ -160,11 +160,13 @@ def test_cli_quantize_calib_sampling(tmp_path, hf_folder):
     assert encodings["contiguous"] != encodings["spread"]
 
 
-def test_cli_quantize_recovery_draws_more_tokens_spread(tmp_path, hf_folder):
-    """With SeqMSE/GPTQ and neither --calib-tokens nor --calib-sampling, the calibration is
-    RECOVERY_CALIB_DRAW (8192 tokens spread over the split; this file is shorter, so all of it,
-    as many tokens as a contiguous draw of more than the file); a flag given replaces its half."""
-    from npuq.data.corpora import RECOVERY_CALIB_DRAW
+def test_cli_quantize_recovery_draw_follows_the_widest_layer(tmp_path, hf_folder, monkeypatch):
+    """With SeqMSE/GPTQ and neither --calib-tokens nor --calib-sampling, the stage draws the
+    calibration by the model's widest linear-layer input: this model's (under 4096) gets 4096
+    tokens in one stretch (this file is shorter: all of it); the same model read as wider than
+    4096 gets RECOVERY_CALIB_DRAW, 8192 spread (again all of the file), and a flag given replaces its half."""
+    from npuq.data.corpora import CALIB_DRAW, RECOVERY_CALIB_DRAW
+    from npuq.models.config import ModelConfig
 
     folder, text = hf_folder
     base = ["quantize", "--model", str(folder), "--scheme", "16a4w", "--calib-corpus", f"file:{text}",
@@ -172,15 +174,15 @@ def test_cli_quantize_recovery_draws_more_tokens_spread(tmp_path, hf_folder):
 
     def calibration(name, *flags):
         assert main([*base, *flags, "--out", str(tmp_path / name)]) == 0
-        return json.loads((tmp_path / name / "config.json").read_text())["calibration"]
+        c = json.loads((tmp_path / name / "config.json").read_text())["calibration"]
+        return c["tokens_requested"], c["sampling"], c["tokens"]
 
-    whole = calibration("whole", "--calib-tokens", "100000", "--calib-sampling", "contiguous")
-    assert whole["sampling"] == "contiguous" and 40 < whole["tokens"] < RECOVERY_CALIB_DRAW[0]
-    default = calibration("default")
-    assert (default["tokens_requested"], default["sampling"], default["tokens"]) == (*RECOVERY_CALIB_DRAW,
-                                                                                     whole["tokens"])
-    given = calibration("given", "--calib-tokens", "40")
-    assert (given["tokens_requested"], given["sampling"], given["tokens"]) == (40, "spread", 40)
+    whole = calibration("whole", "--calib-tokens", "100000")[2]
+    assert 40 < whole < CALIB_DRAW[0]
+    assert calibration("narrow") == (*CALIB_DRAW, whole)
+    monkeypatch.setattr(ModelConfig, "widest_linear_input", property(lambda self: CALIB_DRAW[0] + 1))
+    assert calibration("wide") == (*RECOVERY_CALIB_DRAW, whole)
+    assert calibration("given", "--calib-tokens", "40") == (40, "spread", 40)
 
 
 def test_cli_quantize_rotate(tmp_path, hf_folder, monkeypatch):

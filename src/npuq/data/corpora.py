@@ -48,18 +48,24 @@ CALIB_CORPUS = "builtin"
 # How the calibration tokens are drawn from the calib split (corpus_tokens).
 CALIB_SAMPLINGS = ("contiguous", "spread")
 # How many calibration tokens, drawn how, where --calib-tokens / --calib-sampling are not given:
-# one stretch of 4096, or where SeqMSE or GPTQ fit the weights to their layers' input Gram
-# matrices, 8192 spread over the whole split (docs/design.md §12: on Qwen2.5-Coder-0.5B LPBQ 14 %
-# less KL divergence from float on two other domains, for a quarter more quantize time).
+# one stretch of 4096; but where SeqMSE or GPTQ fit layers whose input is wider than that (their
+# Gram matrices then have fewer rows than columns), 8192 spread over the whole split
+# (docs/design.md §12: Qwen2.5-Coder-0.5B LPBQ, 4864-wide down projections, 14 % less KL
+# divergence from float on two other domains for a quarter more quantize time; SmolLM2-135M,
+# 1536 wide, no gain).
 CALIB_DRAW = (4096, "contiguous")
 RECOVERY_CALIB_DRAW = (8192, "spread")
 
 
-def calibration_draw(recovers: bool, tokens: int | None = None, sampling: str | None = None) -> tuple[int, str]:
-    """(tokens, sampling) of a calibration text: those given, the defaults above for the rest;
-    ``recovers``: SeqMSE or GPTQ runs on it."""
-    default_tokens, default_sampling = RECOVERY_CALIB_DRAW if recovers else CALIB_DRAW
+def calibration_draw(widest_input: int | None, tokens: int | None = None,
+                     sampling: str | None = None) -> tuple[int, str]:
+    """(tokens, sampling) of a calibration text: those given, the defaults above for the rest.
+    ``widest_input``: the widest input of the layers SeqMSE/GPTQ fit; None: neither runs."""
+    wide = widest_input is not None and widest_input > CALIB_DRAW[0]
+    default_tokens, default_sampling = RECOVERY_CALIB_DRAW if wide else CALIB_DRAW
     return (default_tokens if tokens is None else tokens, default_sampling if sampling is None else sampling)
+
+
 CORPUS_HELP = ("builtin, file:PATH (.txt or .jsonl with a 'text' field per line), wikitext2, prose (English prose, "
                "downloaded on first use), code (Python standard library source), or a mix of them joined by '+' "
                "(e.g. builtin+prose+code)")

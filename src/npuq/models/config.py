@@ -110,6 +110,12 @@ class ModelConfig:
             raise UnsupportedArchitecture("sliding-window layers without a sliding_window size")
 
     @property
+    def widest_linear_input(self) -> int:
+        """The most inputs any linear layer reads: the MLP down projection's (intermediate size),
+        the attention output's (heads × head size) or the hidden size (q/k/v, gate/up, lm head)."""
+        return max(self.hidden_size, self.intermediate_size, self.num_heads * self.head_dim)
+
+    @property
     def has_sliding_layers(self) -> bool:
         return "sliding" in self.layer_types
 

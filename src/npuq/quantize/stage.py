@@ -44,19 +44,22 @@ ROTATION_SEED = 0  # the random signs of the Hadamard matrices: fixed, so a reru
 class QuantizeOptions:
     """Everything that decides the artifact; each field is the ``npuq quantize`` flag of the same
     name. Defaults that depend on other fields are filled in on construction (prefill length,
-    layer inputs, act-order, GPTQ's damping, the calibration's tokens and sampling), so two records that quantize alike are equal and hash alike."""
+    layer inputs, act-order, GPTQ's damping, the calibration draw where it does not depend on the
+    model), so two records that quantize alike are equal and hash alike."""
 
     model: str = "smollm2-135m"
     scheme: str | None = None  # replaces the recipe's default scheme
     recipe: str | None = None  # built-in name or JSON file; None: the model's default
     calib_corpus: str = CALIB_CORPUS
-    calib_tokens: int | None = None  # None: calibration_draw's for this record (4096, or 8192 with SeqMSE/GPTQ)
+    # None: calibration_draw's; filled in on construction without SeqMSE/GPTQ (4096), by the stage
+    # with them, from the model's widest layer input (:meth:`calibration`)
+    calib_tokens: int | None = None
     # tokens of the calib split skipped before the calibration text (of each part of a mix): another
     # draw of the same corpus; None (no key, so earlier records keep their keys): 0
     calib_offset: int | None = optional_key()
     # CALIB_SAMPLINGS: one stretch of the split, or windows spread over all of it (corpus_tokens);
-    # None: calibration_draw's ("spread" with SeqMSE/GPTQ, stored so); without them "contiguous",
-    # stored as no key, so the records of runs without recovery keep their keys
+    # None: calibration_draw's, as calib_tokens; "contiguous" without SeqMSE/GPTQ is stored as None
+    # (no key), so the records of runs without recovery keep the keys they had
     calib_sampling: str | None = optional_key()
     context: int = 512
     calibration_mode: str = "onepass"
@@ -124,14 +127,12 @@ class QuantizeOptions:
         object.__setattr__(self, "layer_inputs", recovery.layer_inputs if recovery.recovers else None)
         if self.weight_rounding != "gptq":  # act-order orders GPTQ only: off with SeqMSE alone
             object.__setattr__(self, "act_order", False if recovery.recovers else None)
-        tokens, sampling = calibration_draw(recovery.recovers, self.calib_tokens, self.calib_sampling)
-        if tokens < self.context:
-            raise NpuqError(f"--calib-tokens {tokens} is less than one window of --context {self.context}: "
-                            "raise it or lower the context")
-        object.__setattr__(self, "calib_tokens", tokens)
-        # contiguous without recovery is stored as no key: equal to the records made before the choice
-        object.__setattr__(self, "calib_sampling", None if (sampling, recovery.recovers) == ("contiguous", False)
-                           else sampling)
+        if not recovery.recovers:  # the draw does not depend on the model: filled in now
+            tokens, sampling = self.calibration(None)
+            object.__setattr__(self, "calib_tokens", tokens)
+            object.__setattr__(self, "calib_sampling", None if sampling == CALIB_DRAW[1] else sampling)
+        elif self.calib_tokens is not None:
+            self.calibration(None)  # its check, before any work
 
     @property
     def _gptq(self) -> GptqOptions | None:
@@ -146,6 +147,17 @@ class QuantizeOptions:
             return None
         return RecoveryOptions(self.seq_mse, self.seq_mse_granularity, self.weight_rounding, self.layer_inputs,
                                self._gptq)
+
+    def calibration(self, widest_input: int | None) -> tuple[int, str]:
+        """(tokens, sampling) of the calibration text (calibration_draw): ``widest_input`` is the
+        model's widest linear-layer input, which decides the draw where SeqMSE/GPTQ run."""
+        if self.recovery is None:
+            widest_input = None
+        tokens, sampling = calibration_draw(widest_input, self.calib_tokens, self.calib_sampling)
+        if tokens < self.context:
+            raise NpuqError(f"--calib-tokens {tokens} is less than one window of --context {self.context}: "
+                            "raise it or lower the context")
+        return tokens, sampling
 
     @property
     def phase(self) -> str:
@@ -256,6 +268,7 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     recipe, documents = check_quantize(o)
     max_context = o.context if o.context > 4096 else None
     cfg = model_config(o.model, max_context)
+    calib_tokens, sampling = o.calibration(cfg.widest_linear_input)  # its checks, before any work
     # Sequential calibration runs the whole model token by token; SeqMSE/GPTQ on a GPU visit it
     # whole where it fits (in parts they run on the CPU, as streaming does).
     needs_whole = o.calibration_mode != "onepass" or (o.recovery is not None and not is_cpu(ctx.device))
@@ -271,8 +284,8 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
     loaded = (open_streamed if parts > 1 else load_model)(o.model, max_context=max_context)
     if o.context > loaded.config.max_position_embeddings:
         raise NpuqError(f"--context {o.context} exceeds the model's limit of {loaded.config.max_position_embeddings}")
-    tokens = corpus_tokens(loaded.encoder, documents, o.calib_tokens, offset=o.calib_offset or 0,
-                           spread=o.context if o.calib_sampling == "spread" else None)
+    tokens = corpus_tokens(loaded.encoder, documents, calib_tokens, offset=o.calib_offset or 0,
+                           spread=o.context if sampling == "spread" else None)
     if len(tokens) < 2:
         raise NpuqError(f"--calib-offset {o.calib_offset} skips the whole calib split of {o.calib_corpus!r} (its "
                         "text ends first): give a smaller offset, or a longer corpus")
@@ -315,8 +328,8 @@ def _quantize(o: QuantizeOptions, out: str | Path, ctx: ExecutionContext, force:
         optimized = recovery.summary() if recovery is not None else None
         saving = time.perf_counter()
         replaced = replaced_characters(documents)
-        calibration = {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": o.calib_tokens,
-                       "offset": o.calib_offset or 0, "sampling": o.calib_sampling or CALIB_DRAW[1],
+        calibration = {"corpus": o.calib_corpus, "split": "calib", "tokens_requested": calib_tokens,
+                       "offset": o.calib_offset or 0, "sampling": sampling,
                        "tokens": qm.stats["calibration_tokens"], "mode": o.calibration_mode,
                        "batch_size": o.batch_size, "batch_size_used": qm.stats["batch_size"],
                        "replacement_characters": replaced,
