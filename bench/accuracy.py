@@ -191,21 +191,18 @@ def main() -> None:
                 if not args.only or any(o == spec["config"] if args.exact else o in spec["config"] for o in args.only)]
     calib_specs = {c: c for c in dict.fromkeys(["builtin"] + [spec["calib"] for spec in selected])}  # label → spec
 
-    def draw(recovers: bool) -> tuple[int, str]:
-        return calibration_draw(model.config.widest_linear_input if recovers else None, args.calib_tokens,
-                                args.calib_sampling)
-
     @functools.cache
-    def calibration(spec: str, recovers: bool) -> tuple[int, ...]:
-        """As npuq quantize draws it: the flags given, its defaults for such a row (each part of a
-        mix from its own offset)."""
-        tokens, sampling = draw(recovers)
-        ids = corpus_tokens(tok, spec, tokens, offset=args.calib_offset,
+    def calibration(spec: str, recovers: bool) -> tuple[tuple[int, ...], str]:
+        """(tokens, sampling) as npuq quantize draws them: the flags given, its defaults for such a
+        row (each part of a mix from its own offset)."""
+        n, sampling = calibration_draw(model.config.widest_linear_input if recovers else None, args.calib_tokens,
+                                       args.calib_sampling)
+        ids = corpus_tokens(tok, spec, n, offset=args.calib_offset,
                             spread=args.context if sampling == "spread" else None)
-        if args.calib_offset and len(ids) < tokens:
+        if args.calib_offset and len(ids) < n:
             ap.error(f"--calib-offset {args.calib_offset}: the {spec} calib split has only "
                      f"{args.calib_offset + len(ids)} tokens; use a smaller offset")
-        return tuple(ids)
+        return tuple(ids), sampling
 
     domains = {name: load_corpus(name, "eval") for name in DOMAINS}
 
@@ -276,8 +273,9 @@ def main() -> None:
         start = time.perf_counter()
         scales = None
         recovers = spec["seq_mse"] is not None or spec["rounding"] != "nearest"
-        calib = list(calibration(spec["calib"], recovers))
-        row["calib_tokens"], row["calib_sampling"] = len(calib), draw(recovers)[1]
+        ids, row["calib_sampling"] = calibration(spec["calib"], recovers)
+        calib = list(ids)
+        row["calib_tokens"] = len(calib)
         if recovers:
             gptq = dataclasses.replace(gptq_damps, act_order=bool(spec["act_order"])) if spec["rounding"] == "gptq" else None
             recovery = RecoveryOptions(spec["seq_mse"], spec["granularity"] or "channel", spec["rounding"],
